@@ -10,7 +10,23 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-__all__ = ["ParamTensor", "ModuleParams", "ModelSpec", "load_model"]
+__all__ = ["ParamTensor", "ModuleParams", "ModelSpec", "ROLES", "load_model"]
+
+# The fixed vocabulary of ParamTensor.role. A bias has the same role as its weight and a
+# name ending in ".bias". Fused projections have their own role.
+ROLES = (
+    "embed",  # token embedding [vocab, hidden]
+    "pos_embed",  # learned absolute positions [max_pos, hidden]
+    "norm",  # LayerNorm / RMSNorm weight or bias (input, post-attention, final, q/k norms)
+    "attn_q", "attn_k", "attn_v",  # separate projections
+    "attn_qkv",  # fused q,k,v (GPT-2 c_attn, NeoX query_key_value, Falcon, Phi-3)
+    "attn_o",  # attention output projection
+    "mlp_up", "mlp_gate", "mlp_down",  # (gated) MLP
+    "mlp_gate_up",  # fused gate+up (Phi-3)
+    "router",  # MoE router / gate [num_experts, hidden]
+    "expert_up", "expert_gate", "expert_down",  # MoE expert MLPs (ParamTensor.expert set)
+    "lm_head",  # output projection [vocab, hidden] (tied_to the embedding when tied)
+)
 
 
 class ParamTensor(BaseModel):
@@ -19,6 +35,9 @@ class ParamTensor(BaseModel):
     name: str  # e.g. "model.layers.0.self_attn.q_proj.weight"
     module: str  # the module owning it directly, e.g. "model.layers.0.self_attn.q_proj"
     shape: list[int]
+    role: str  # see ROLES: what the runtime does with it ("attn_q", "mlp_down", "norm", ...)
+    layer: int | None = None  # transformer block index; None for embeddings / final norm / head
+    expert: int | None = None  # MoE expert index within the layer
     tied_to: str | None = None  # name of the tensor it shares storage with (counted once)
 
     @property
@@ -61,6 +80,7 @@ class ModelSpec(BaseModel):
     embedding_params: int  # input embedding(s) incl. positions
     active_params: int  # params touched per token (MoE: experts_per_token of num_experts)
     tensors: list[ParamTensor] = Field(default_factory=list, exclude=True)
+    hf_config: dict = Field(default_factory=dict, exclude=True)  # the config.json it came from
 
     def modules(self) -> list[ModuleParams]:
         """Directly-owned parameter counts per module, in forward order (tied counted once)."""

@@ -1,1 +1,1 @@
-"""zeroplan.core."""
+"""The analytic core: torch-free maths over the specs (memory, activations, comm, time, plan)."""

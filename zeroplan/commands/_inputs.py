@@ -1,0 +1,181 @@
+"""Turn the common planning options into library inputs (model, hardware, training, ZeRO configs).
+
+Shared by estimate, recommend, check, report and nccl-log. Every user mistake raises
+InputError naming the option or file, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeroplan._util import InputError
+from zeroplan.specs.training import TrainingSetup, get_optimizer, get_precision
+
+__all__ = ["PlanInputs", "build_plan_inputs", "zero_for_stage", "OFFLOAD_DEVICES"]
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass
+class PlanInputs:
+    spec: Any  # ModelSpec
+    hardware: Any  # HardwareProfile | None
+    training: TrainingSetup
+    n_gpus: int
+    gpus_per_node: int
+    nodes: int
+    ds: Any = None  # DSConfig | None
+    stages: list[int] = field(default_factory=list)
+    offload_optimizer: str | None = None
+    offload_param: str | None = None
+    assumptions: list[str] = field(default_factory=list)
+
+    def zero(self, stage: int):
+        return zero_for_stage(self, stage)
+
+
+def zero_for_stage(inp: PlanInputs, stage: int):
+    """The ZeroConfig for ``stage``: the DeepSpeed config's if given, else DeepSpeed's defaults."""
+    from zeroplan.specs.deepspeed_config import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+
+    if inp.ds is not None:
+        base = inp.ds.zero
+        upd: dict[str, Any] = {"stage": stage}
+        if base.stage != stage and "overlap_comm" not in (inp.ds.raw.get("zero_optimization") or {}):
+            upd["overlap_comm"] = stage == 3
+        zero = base.model_copy(update=upd)
+    else:
+        zero = ZeroConfig(stage=stage, overlap_comm=stage == 3)
+    if inp.offload_optimizer is not None:
+        dev = inp.offload_optimizer if stage >= 1 else "none"
+        zero = zero.model_copy(update={"offload_optimizer": zero.offload_optimizer.model_copy(update={"device": dev})})
+    elif stage == 0 and zero.offload_optimizer.device != "none":
+        zero = zero.model_copy(update={"offload_optimizer": OffloadOptimizerConfig()})
+    if inp.offload_param is not None:
+        dev = inp.offload_param if stage == 3 else "none"
+        zero = zero.model_copy(update={"offload_param": zero.offload_param.model_copy(update={"device": dev})})
+    elif stage != 3 and zero.offload_param.device != "none":
+        zero = zero.model_copy(update={"offload_param": OffloadParamConfig()})
+    return zero
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise InputError(f"{name} must be a positive integer, got {value}")
+
+
+def build_plan_inputs(
+    *,
+    model: str,
+    hardware: str | None = None,
+    gpus: int | None = None,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    ds_config: str | None = None,
+    strict: bool = False,
+    precision: str | None = None,
+    optimizer: str | None = None,
+    micro_batch: int | None = None,
+    seq_len: int = 2048,
+    grad_accum: int | None = None,
+    checkpointing: str = "none",
+    flash_attention: bool = True,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
+    stage: int | None = None,
+) -> PlanInputs:
+    from zeroplan.specs.model import load_model
+
+    for name, v in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
+                    ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
+        _check_positive(name, v)
+    if stage is not None and stage not in (0, 1, 2, 3):
+        raise InputError(f"--stage {stage} is not a ZeRO stage; expected 0, 1, 2 or 3")
+    if checkpointing not in ("none", "selective", "full"):
+        raise InputError(f"--checkpointing {checkpointing!r} is unknown; expected none, selective or full")
+    for name, v in (("--offload-optimizer", offload_optimizer), ("--offload-param", offload_param)):
+        if v is not None and v not in OFFLOAD_DEVICES:
+            raise InputError(f"{name} {v!r} is unknown; expected one of none, cpu, nvme")
+
+    spec = load_model(model)
+    hw = None
+    if hardware is not None:
+        from zeroplan.specs.hardware import load_profile
+
+        hw = load_profile(hardware)
+    assumptions: list[str] = []
+
+    # ---- cluster shape ----
+    gpn = gpus_per_node or (hw.node.gpus_per_node if hw is not None else None)
+    if gpus is not None and nodes is not None:
+        gpn = gpn or max(1, gpus // nodes)
+        if gpus != nodes * gpn:
+            raise InputError(f"--gpus {gpus} does not equal --nodes {nodes} × {gpn} GPUs per node")
+        n_gpus = gpus
+    elif nodes is not None:
+        if gpn is None:
+            raise InputError("--nodes needs --gpus-per-node or a --hardware profile that says how many GPUs a node has")
+        n_gpus = nodes * gpn
+    elif gpus is not None:
+        n_gpus = gpus
+        if gpn is None:
+            gpn = gpus
+            assumptions.append(f"all {gpus} GPUs assumed in one node (give --gpus-per-node or --hardware)")
+        elif gpus > gpn and gpus % gpn:
+            raise InputError(f"--gpus {gpus} is not divisible by {gpn} GPUs per node; use whole nodes or set --gpus-per-node")
+    else:
+        n_gpus = gpn or 8
+        gpn = gpn or 8
+        assumptions.append(f"no --gpus/--nodes given: one node of {n_gpus} GPUs")
+    gpn = min(gpn, n_gpus)
+    n_nodes = -(-n_gpus // gpn)
+
+    # ---- DeepSpeed config ----
+    ds = None
+    if ds_config is not None:
+        from zeroplan.specs.deepspeed_config import load_ds_config
+
+        ds = load_ds_config(ds_config, strict=strict, hidden_size=spec.hidden_size, micro_batch=micro_batch,
+                            grad_accum=grad_accum, world_size=n_gpus)
+
+    # ---- precision / optimizer / batch ----
+    if precision is not None:
+        prec = get_precision(precision)
+        prec_src = f"--precision {prec.name}"
+    elif ds is not None:
+        prec = get_precision(ds.precision)
+        prec_src = f"from {ds_config}: {ds.precision_source}"
+    else:
+        prec = get_precision("fp32")
+        prec_src = "default: fp32 (no --precision and no DeepSpeed config)"
+    if optimizer is not None:
+        opt = get_optimizer(optimizer)
+    elif ds is not None and ds.optimizer_type:
+        try:
+            opt = get_optimizer(ds.optimizer_type)
+        except InputError:
+            opt = get_optimizer("adamw")
+            assumptions.append(f"optimizer {ds.optimizer_type!r} from the DeepSpeed config is modelled as AdamW states")
+    else:
+        opt = get_optimizer("adamw")
+    mb = micro_batch or (ds.micro_batch if ds is not None and ds.micro_batch else None) or 1
+    gas = grad_accum or (ds.grad_accum if ds is not None and ds.grad_accum else None) or 1
+    training = TrainingSetup(
+        precision=prec, precision_source=prec_src, optimizer=opt, micro_batch=mb, seq_len=seq_len,
+        grad_accum=gas, checkpointing=checkpointing, flash_attention=flash_attention,
+    )
+    assumptions.append(f"precision {prec.name} ({prec_src})")
+
+    if stage is not None:
+        stages = [stage]
+    elif ds is not None:
+        stages = [ds.zero.stage]
+    else:
+        stages = [0, 1, 2, 3]
+    if spec.approximate:
+        assumptions.extend(spec.notes)
+    return PlanInputs(
+        spec=spec, hardware=hw, training=training, n_gpus=n_gpus, gpus_per_node=gpn, nodes=n_nodes, ds=ds,
+        stages=stages, offload_optimizer=offload_optimizer, offload_param=offload_param, assumptions=assumptions,
+    )

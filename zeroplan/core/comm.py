@@ -1,0 +1,267 @@
+"""The per-step collective ledger: which collectives one optimizer step issues, how big,
+how often, over which group, in which phase, and whether they can overlap compute.
+
+Conventions (zeroplan/specs/collectives.py): ``buffer_bytes`` is the full (unsharded)
+buffer of one call in the communication dtype; ``sent_bytes_per_call`` is what one GPU
+sends under ring algorithms. ``bytes_per_gpu_per_step`` = Σ count × sent_bytes_per_call.
+
+Two flavours (``comm_model``):
+- ``deepspeed`` (default) — what DeepSpeed 0.19.8 issues (deepspeed-internals.md §4.3, §7):
+  stage 0 all-reduces gradient buckets once per step; stages 1–2 all-reduce gradient
+  buckets (per-owner ``reduce`` with ``use_multi_rank_bucket_allreduce: false``) — stage 2
+  every micro-step — then all-gather the padded flat parameters once, plus a 1-byte
+  overflow flag and a 4-byte norm all-reduce; stage 3 gathers each module in forward every
+  micro-step, re-gathers in backward only modules whose reuse distance exceeds
+  ``stage3_max_reuse_distance``, reduce-scatters gradient buckets every micro-step, and
+  after the step gathers each persistent parameter and all-reduces an 8-byte norm.
+- ``paper`` — the ZeRO paper: stages 1–2 reduce-scatter + all-gather (2Ψ), stage 3
+  gathers in forward and again in backward for every module (3Ψ).
+Both use the same padded layout (core/layout.py). ZeRO++ (stage 3): qwZ gathers int8
+weights plus fp32 block scales, hpZ re-gathers in backward inside the node from a
+secondary partition, qgZ replaces the gradient reduce-scatter by an int4 hierarchical
+all-to-all (intra-node then inter-node) when there is more than one node.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from zeroplan.core.layout import Layout, ceil_div, greedy_buckets
+from zeroplan.specs.collectives import sent_bytes
+from zeroplan.specs.training import TrainingSetup
+
+__all__ = ["LedgerEntry", "PcieTransfer", "CommLedger", "build_ledger", "QWZ_BLOCK"]
+
+# qwZ block quantisation: one fp32 scale per block of this many elements (approximation)
+QWZ_BLOCK = 2048
+
+
+class LedgerEntry(BaseModel):
+    op: str
+    phase: Literal["forward", "backward", "step"]
+    what: str
+    buffer_bytes: int  # full buffer of ONE call
+    count: int  # calls per optimizer step
+    dtype: str
+    group: Literal["all", "intra-node", "inter-node"]
+    group_size: int
+    overlap: bool  # can overlap compute
+    sent_bytes_per_call: int
+    sent_bytes: int  # count × sent_bytes_per_call
+
+
+class PcieTransfer(BaseModel):
+    direction: Literal["host_to_device", "device_to_host"]
+    what: str
+    bytes_per_step: int  # per GPU
+
+
+class CommLedger(BaseModel):
+    flavour: Literal["deepspeed", "paper"]
+    collectives: list[LedgerEntry]
+    bytes_per_gpu_per_step: int
+    bytes_per_gpu_per_step_by_op: dict[str, int]
+    inter_node_bytes_per_gpu_per_step: int  # bytes that cross the node boundary (per GPU)
+    pcie: list[PcieTransfer] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
+class _Builder:
+    def __init__(self, n: int, gpus_per_node: int):
+        self.n = n
+        self.gpn = min(gpus_per_node, n)
+        self.nodes = ceil_div(n, self.gpn)
+        self.entries: list[LedgerEntry] = []
+
+    def add(self, op: str, phase: str, what: str, buffer_bytes: int, count: int, dtype: str,
+            overlap: bool, group: str = "all", group_size: int | None = None) -> None:
+        if count <= 0 or buffer_bytes <= 0:
+            return
+        gs = self.n if group_size is None else group_size
+        if gs <= 1:
+            return
+        per = sent_bytes(op, buffer_bytes, gs)
+        for e in self.entries:  # merge identical calls
+            if (e.op, e.phase, e.what, e.buffer_bytes, e.dtype, e.group, e.group_size, e.overlap) == (
+                op, phase, what, buffer_bytes, dtype, group, gs, overlap
+            ):
+                e.count += count
+                e.sent_bytes += count * per
+                return
+        self.entries.append(LedgerEntry(
+            op=op, phase=phase, what=what, buffer_bytes=buffer_bytes, count=count, dtype=dtype,
+            group=group, group_size=gs, overlap=overlap, sent_bytes_per_call=per, sent_bytes=count * per,
+        ))
+
+    def buckets(self, op: str, phase: str, what: str, sizes: list[int], elem_bytes: int, count: int,
+                dtype: str, overlap: bool) -> None:
+        for s in sizes:
+            self.add(op, phase, what, s * elem_bytes, count, dtype, overlap)
+
+
+def _owner_split(layout: Layout, bucket_elems: int) -> list[list[int]]:
+    """Stage 1/2 buckets (reverse order) split at partition boundaries: pieces per bucket."""
+    offsets = []
+    pos = 0
+    for t in layout.tensors:
+        offsets.append((pos, t.numel))
+        pos += t.numel
+    part = layout.partition_12
+    ranges: list[tuple[int, int]] = []  # (start, end) of each bucket in flat coordinates
+    cur_lo = cur_hi = None
+    cur = 0
+    for start, numel in reversed(offsets):
+        if cur and cur + numel > bucket_elems:
+            ranges.append((cur_lo, cur_hi))
+            cur = 0
+            cur_lo = cur_hi = None
+        cur += numel
+        cur_hi = start + numel if cur_hi is None else cur_hi
+        cur_lo = start
+    if cur:
+        ranges.append((cur_lo, cur_hi))
+    pieces: list[list[int]] = []
+    for lo, hi in ranges:
+        p = []
+        a = lo
+        while a < hi:
+            boundary = (a // part + 1) * part
+            b = min(hi, boundary)
+            p.append(b - a)
+            a = b
+        pieces.append(p)
+    return pieces
+
+
+def build_ledger(
+    layout: Layout,
+    training: TrainingSetup,
+    zero: Any,
+    *,
+    gpus_per_node: int,
+    comm_model: str = "deepspeed",
+    kept_modules: list[bool] | None = None,
+) -> CommLedger:
+    """The collectives of one optimizer step for ``zero.stage`` (see module docstring)."""
+    if comm_model not in ("deepspeed", "paper"):
+        raise ValueError(f"comm_model must be 'deepspeed' or 'paper', got {comm_model!r}")
+    g = lambda name, default=None: getattr(zero, name, default)  # noqa: E731
+    stage = int(g("stage", 0))
+    n = layout.n
+    prec = training.precision
+    b_p, b_c = prec.param_bytes, prec.comm_bytes
+    pdt = cdt = prec.dtype  # communication_data_type defaults to the model dtype
+    gas = training.grad_accum
+    rbs = int(g("reduce_bucket_size", 500_000_000))
+    overlap = bool(g("overlap_comm", stage == 3))
+    B = _Builder(n, gpus_per_node)
+    notes: list[str] = []
+    ds = comm_model == "deepspeed"
+
+    if stage == 0:
+        B.buckets("all_reduce", "backward", "gradient bucket", layout.grad_buckets(rbs, 0), b_c, 1, cdt, False)
+    elif stage in (1, 2):
+        per_step = 1 if stage == 1 else gas
+        if ds:
+            if bool(g("use_multi_rank_bucket_allreduce", True)) or not bool(g("reduce_scatter", True)):
+                B.buckets("all_reduce", "backward", "gradient bucket", layout.grad_buckets(rbs, stage), b_c,
+                          per_step, cdt, overlap)
+            else:
+                for pieces in _owner_split(layout, rbs):
+                    for p in pieces:
+                        B.add("reduce", "backward", "gradient bucket slice to its owner", p * b_c, per_step, cdt, overlap)
+        else:
+            B.buckets("reduce_scatter", "backward", "gradient bucket", layout.grad_buckets(rbs, stage), b_c,
+                      per_step, cdt, overlap)
+        B.add("all_gather", "step", "updated parameters (flat, padded to 2N)", layout.flat_padded * b_p, 1, pdt, False)
+        if ds:
+            B.add("all_reduce", "step", "overflow flag", 1, 1, "uint8", False)
+            B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
+    else:
+        qwz = bool(g("zero_quantized_weights", False))
+        hpz = int(g("zero_hpz_partition_size", 1) or 1)
+        qgz = bool(g("zero_quantized_gradients", False)) and B.nodes > 1
+        mods = [m for m in layout.modules if m.gathered > 0]
+        if kept_modules is None or len(kept_modules) != len(mods):
+            reuse = int(g("max_reuse_distance", 1_000_000_000))
+            after = 0
+            kept_modules = [False] * len(mods)
+            for i in range(len(mods) - 1, -1, -1):
+                kept_modules[i] = 2 * after <= reuse
+                after += mods[i].gathered
+        for i, m in enumerate(mods):
+            if qwz:
+                buf = m.gathered + 4 * ceil_div(m.gathered, QWZ_BLOCK)
+                B.add("all_gather", "forward", "module parameters (qwZ int8 + scales)", buf, gas, "int8", True)
+            else:
+                B.add("all_gather", "forward", "module parameters", m.gathered * b_p, gas, pdt, True)
+        for i, m in enumerate(mods):
+            regather = (not ds) or (not kept_modules[i])
+            if not regather:
+                continue
+            if hpz > 1:
+                B.add("all_gather", "backward", "module parameters (hpZ secondary partition, in node)",
+                      m.gathered * b_p, gas, pdt, True, group="intra-node", group_size=min(hpz, n))
+            elif qwz:
+                buf = m.gathered + 4 * ceil_div(m.gathered, QWZ_BLOCK)
+                B.add("all_gather", "backward", "module parameters re-gathered (qwZ)", buf, gas, "int8", True)
+            else:
+                B.add("all_gather", "backward", "module parameters re-gathered", m.gathered * b_p, gas, pdt, True)
+        buckets = layout.grad_buckets(rbs, 3)
+        if qgz:
+            gpn = B.gpn
+            for s in buckets:
+                int4 = ceil_div(s, 2)
+                B.add("all_to_all", "backward", "gradient bucket (qgZ int4, intra-node hop)", int4, gas, "int4",
+                      overlap, group="intra-node", group_size=gpn)
+                B.add("all_to_all", "backward", "gradient bucket (qgZ int4, inter-node hop)", ceil_div(int4, gpn),
+                      gas, "int4", overlap, group="inter-node", group_size=B.nodes)
+        else:
+            B.buckets("reduce_scatter", "backward", "gradient bucket", buckets, b_c, gas, cdt, overlap)
+        for t in layout.persistent_tensors:
+            B.add("all_gather", "step", "persistent parameter", layout.padded(t.numel) * b_p, 1, pdt, False)
+        if ds:
+            B.add("all_reduce", "step", "gradient norm", 8, 1, "float64", False)
+
+    # ---- PCIe traffic for offload (per GPU per step) ----
+    pcie: list[PcieTransfer] = []
+    off_opt = getattr(getattr(zero, "offload_optimizer", None), "device", "none")
+    off_par = getattr(getattr(zero, "offload_param", None), "device", "none")
+    off_opt = str(getattr(off_opt, "value", off_opt))
+    off_par = str(getattr(off_par, "value", off_par))
+    if stage >= 1 and off_opt != "none":
+        part = layout.partition_12 if stage < 3 else layout.partition_3
+        down_count = 1 if stage == 1 else gas
+        pcie.append(PcieTransfer(direction="device_to_host", what="gradient partition to the CPU optimizer",
+                                 bytes_per_step=part * prec.grad_bytes * down_count))
+        pcie.append(PcieTransfer(direction="host_to_device", what="updated parameter partition",
+                                 bytes_per_step=part * b_p))
+    if stage == 3 and off_par != "none":
+        fetched = sum(e.count * (e.buffer_bytes // n) for e in B.entries if e.op == "all_gather" and e.phase != "step")
+        pcie.append(PcieTransfer(direction="host_to_device", what="parameter partitions fetched for every gather",
+                                 bytes_per_step=fetched))
+
+    by_op: dict[str, int] = {}
+    total = 0
+    inter = 0
+    gpn = B.gpn
+    for e in B.entries:
+        by_op[e.op] = by_op.get(e.op, 0) + e.sent_bytes
+        total += e.sent_bytes
+        if e.group == "inter-node":
+            inter += e.sent_bytes
+        elif e.group == "all" and B.nodes > 1:
+            # a ring over all GPUs crosses each node boundary: the share of traffic that leaves
+            # the node is (nodes-1)/(n-1) of a rank's ring steps
+            inter += e.sent_bytes * (B.nodes - 1) // (e.group_size - 1)
+    return CommLedger(
+        flavour=comm_model,  # type: ignore[arg-type]
+        collectives=B.entries,
+        bytes_per_gpu_per_step=total,
+        bytes_per_gpu_per_step_by_op=by_op,
+        inter_node_bytes_per_gpu_per_step=inter,
+        pcie=pcie,
+        notes=notes,
+    )

@@ -1,0 +1,162 @@
+"""How DeepSpeed lays parameters out in flat buffers and partitions — shared by the memory
+model and the communication ledger so both see the same padded sizes and buckets.
+
+Element counts throughout (multiply by a dtype size for bytes).
+
+- Stages 1–2: one flat buffer of every parameter, padded at the end to a multiple of 2N
+  (``nccl_start_alignment_factor = 2`` in stage_1_and_2.py); rank r owns 1/N of it.
+- Stage 3: every parameter is partitioned on its own, padded to a multiple of N
+  (``ds_tensor`` of ceil(numel/N) elements). Parameters with numel <= the persistence
+  threshold stay whole on every rank as well (``mark_persistent_parameters``), within a
+  total cap (``model_persistence_threshold``).
+- Tied parameters are one parameter (the tied copy is skipped).
+- Count-only specs: the default shape's tensors rarely sum to the stated count; the
+  difference is absorbed so the inventory sums to Ψ exactly (added as one extra pseudo
+  module when positive, taken from the largest tensor when negative).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zeroplan.specs.model import ModelSpec
+
+__all__ = ["Tensor", "Module", "Layout", "build_layout", "ceil_div", "greedy_buckets"]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    module: str
+    numel: int
+
+
+@dataclass
+class Module:
+    name: str
+    numel: int  # directly-owned parameters
+    gathered: int  # stage 3: Σ padded numel of its non-persistent params (one all-gather)
+    n_gathered: int  # how many non-persistent params it gathers
+    persistent: int  # numel of its persistent params
+
+
+@dataclass
+class Layout:
+    params: int
+    n: int
+    tensors: list[Tensor]
+    modules: list[Module] = field(default_factory=list)
+    persistent_tensors: list[Tensor] = field(default_factory=list)
+
+    # stages 1-2
+    @property
+    def flat_padded(self) -> int:
+        return ceil_div(self.params, 2 * self.n) * 2 * self.n
+
+    @property
+    def partition_12(self) -> int:
+        return self.flat_padded // self.n
+
+    # stage 3
+    def padded(self, numel: int) -> int:
+        return ceil_div(numel, self.n) * self.n
+
+    @property
+    def partition_3(self) -> int:
+        """Elements of one rank's stage-3 partition (every param, padded to N, / N)."""
+        return sum(ceil_div(t.numel, self.n) for t in self.tensors)
+
+    @property
+    def padded_total_3(self) -> int:
+        return self.partition_3 * self.n
+
+    @property
+    def persistent_numel(self) -> int:
+        return sum(t.numel for t in self.persistent_tensors)
+
+    @property
+    def largest_tensor(self) -> int:
+        return max((t.numel for t in self.tensors), default=0)
+
+    def sub_groups_3(self, sub_group_size: int) -> list[int]:
+        """Stage-3 optimizer sub-groups: partition numel per group, groups close when >= size."""
+        groups: list[int] = []
+        cur = 0
+        for t in self.tensors:
+            cur += ceil_div(t.numel, self.n)
+            if cur >= sub_group_size:
+                groups.append(cur)
+                cur = 0
+        if cur:
+            groups.append(cur)
+        return groups or [0]
+
+    def grad_buckets(self, bucket_elems: int, stage: int) -> list[int]:
+        """Gradient buckets in gradient-ready order (reverse of forward order)."""
+        sizes = [t.numel if stage < 3 else self.padded(t.numel) for t in reversed(self.tensors)]
+        return greedy_buckets(sizes, bucket_elems)
+
+
+def greedy_buckets(sizes: list[int], bucket_elems: int) -> list[int]:
+    """Flush before adding when the bucket would overflow and is non-empty (DeepSpeed's rule)."""
+    buckets: list[int] = []
+    cur = 0
+    for n in sizes:
+        if cur and cur + n > bucket_elems:
+            buckets.append(cur)
+            cur = 0
+        cur += n
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def build_layout(
+    spec: ModelSpec,
+    n: int,
+    *,
+    persistence_threshold: int = 0,
+    model_persistence_threshold: int | None = None,
+) -> Layout:
+    tensors = [Tensor(t.name, t.module, t.numel) for t in spec.tensors if t.tied_to is None]
+    total = sum(t.numel for t in tensors)
+    diff = spec.params - total
+    if tensors and diff > 0:
+        tensors.append(Tensor("(rest of the stated count)", "(rest of the stated count)", diff))
+    elif tensors and diff < 0:
+        i = max(range(len(tensors)), key=lambda k: tensors[k].numel)
+        t = tensors[i]
+        tensors[i] = Tensor(t.name, t.module, t.numel + diff)
+    elif not tensors:
+        tensors = [Tensor("(all parameters)", "(model)", spec.params)]
+
+    persistent: list[Tensor] = []
+    if persistence_threshold > 0:
+        cap = model_persistence_threshold if model_persistence_threshold is not None else 2**63
+        used = 0
+        for t in tensors:
+            if t.numel <= persistence_threshold and used + t.numel <= cap:
+                persistent.append(t)
+                used += t.numel
+    pset = {t.name for t in persistent}
+
+    layout = Layout(params=spec.params, n=n, tensors=tensors, persistent_tensors=persistent)
+    order: list[str] = []
+    by_mod: dict[str, Module] = {}
+    for t in tensors:
+        m = by_mod.get(t.module)
+        if m is None:
+            m = by_mod[t.module] = Module(t.module, 0, 0, 0, 0)
+            order.append(t.module)
+        m.numel += t.numel
+        if t.name in pset:
+            m.persistent += t.numel
+        else:
+            m.gathered += layout.padded(t.numel)
+            m.n_gathered += 1
+    layout.modules = [by_mod[k] for k in order]
+    return layout

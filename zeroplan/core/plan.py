@@ -1,0 +1,189 @@
+"""``evaluate(...) -> Plan``: the one object recommend, check, report and bench all read.
+
+A Plan is one (stage, offload) option for one model on one cluster: per-GPU memory by
+category and phase, host RAM, fit against the hardware, the collective ledger, times and
+DeepSpeed's own estimator numbers beside zeroplan's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
+from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for
+from zeroplan.core.layout import build_layout
+from zeroplan.core.memory import MemoryBreakdown, _stage3_gather, memory_for_stage
+from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
+from zeroplan.specs.model import ModelSpec
+from zeroplan.specs.training import TrainingSetup
+
+__all__ = ["CommResult", "Plan", "evaluate"]
+
+
+class CommResult(BaseModel):
+    flavour: str
+    bytes_per_gpu_per_step: int
+    bytes_per_gpu_per_step_by_op: dict[str, int]
+    inter_node_bytes_per_gpu_per_step: int
+    collectives: list[LedgerEntry]
+    pcie: list[PcieTransfer] = Field(default_factory=list)
+    time_s: float | None = None
+    exposed_time_s: dict[str, float] | None = None
+
+
+class Plan(BaseModel):
+    stage: int
+    offload_optimizer: str
+    offload_param: str
+    n_gpus: int
+    nodes: int
+    gpus_per_node: int
+    memory: MemoryBreakdown
+    host_memory_per_node: int
+    gpu_memory_bytes: int | None = None
+    fits: bool | None = None  # None when no hardware profile is given
+    headroom_bytes: int | None = None
+    host_ram_per_node_bytes: int | None = None
+    host_fits: bool | None = None
+    comm: CommResult
+    time: TimeEstimate | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    deepspeed_estimator: DeepSpeedEstimate | None = None
+    notes: list[str] = Field(default_factory=list)
+
+
+def _device(zero: Any, which: str) -> str:
+    off = getattr(zero, which, None)
+    dev = getattr(off, "device", "none") if off is not None else "none"
+    return str(getattr(dev, "value", dev) or "none")
+
+
+def evaluate(
+    *,
+    model: ModelSpec,
+    training: TrainingSetup,
+    zero: Any,
+    n_gpus: int,
+    gpus_per_node: int | None = None,
+    hardware: Any = None,
+    comm_model: str = "deepspeed",
+    mfu: float = DEFAULT_MFU,
+) -> Plan:
+    """Evaluate one ZeRO configuration (``zero``: a ZeroConfig) on ``n_gpus`` data-parallel GPUs."""
+    if gpus_per_node is None:
+        gpus_per_node = hardware.node.gpus_per_node if hardware is not None else n_gpus
+    gpus_per_node = max(1, min(gpus_per_node, n_gpus))
+    nodes = -(-n_gpus // gpus_per_node)
+    stage = int(getattr(zero, "stage", 0))
+    layout = build_layout(
+        model, n_gpus,
+        persistence_threshold=int(getattr(zero, "param_persistence_threshold", 100_000)) if stage == 3 else 0,
+        model_persistence_threshold=getattr(zero, "model_persistence_threshold", None),
+    )
+    overhead = hardware.overhead.model_dump() if hardware is not None else None
+    mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout)
+    kept = None
+    if stage == 3:
+        _, _, kept = _stage3_gather(layout, zero, training.precision.param_bytes)
+    ledger: CommLedger = build_ledger(layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model,
+                                      kept_modules=kept)
+    off_opt = _device(zero, "offload_optimizer") if stage >= 1 else "none"
+    off_par = _device(zero, "offload_param") if stage == 3 else "none"
+    comm = CommResult(
+        flavour=ledger.flavour,
+        bytes_per_gpu_per_step=ledger.bytes_per_gpu_per_step,
+        bytes_per_gpu_per_step_by_op=ledger.bytes_per_gpu_per_step_by_op,
+        inter_node_bytes_per_gpu_per_step=ledger.inter_node_bytes_per_gpu_per_step,
+        collectives=ledger.collectives,
+        pcie=ledger.pcie,
+    )
+    plan = Plan(
+        stage=stage, offload_optimizer=off_opt, offload_param=off_par, n_gpus=n_gpus, nodes=nodes,
+        gpus_per_node=gpus_per_node, memory=mem, host_memory_per_node=mem.host.per_node_bytes, comm=comm,
+        deepspeed_estimator=deepspeed_estimate_for(
+            stage, total_params=model.params, largest_layer_params=model.largest_module_params,
+            gpus_per_node=gpus_per_node, num_nodes=nodes, offload_optimizer=off_opt != "none",
+            offload_param=off_par != "none",
+        ),
+        notes=list(mem.notes) + list(ledger.notes),
+    )
+    if hardware is not None:
+        plan.gpu_memory_bytes = int(hardware.gpu.memory_bytes)
+        plan.headroom_bytes = plan.gpu_memory_bytes - mem.peak
+        plan.fits = mem.peak <= plan.gpu_memory_bytes
+        plan.host_ram_per_node_bytes = int(hardware.node.host_ram_bytes)
+        plan.host_fits = mem.host.per_node_bytes <= plan.host_ram_per_node_bytes
+        if mem.host.nvme_per_node_bytes and mem.host.nvme_per_node_bytes > hardware.node.nvme_capacity_bytes:
+            plan.host_fits = False
+            plan.notes.append("NVMe offload exceeds the node's NVMe capacity")
+        t = estimate_time(ledger, training, hardware, active_params=model.active_params, n_gpus=n_gpus,
+                          gpus_per_node=gpus_per_node, mfu=mfu)
+        plan.time = t
+        plan.comm.time_s = t.comm_time_s
+        plan.comm.exposed_time_s = t.exposed_time_s
+        plan.step_time_s = t.step_time_s
+        plan.tokens_per_s = t.tokens_per_s
+    return plan
+
+
+class ModelSummary(BaseModel):
+    name: str
+    source: str
+    model_type: str
+    params: int
+    largest_layer_params: int
+    largest_layer_name: str
+    active_params: int
+    approximate: bool
+
+
+class ClusterSummary(BaseModel):
+    n_gpus: int
+    nodes: int
+    gpus_per_node: int
+    hardware: str | None = None
+    gpu: str | None = None
+    gpu_memory_bytes: int | None = None
+
+
+class EstimateResult(BaseModel):
+    """What ``zeroplan estimate --json`` prints."""
+
+    model: ModelSummary
+    cluster: ClusterSummary
+    training: dict[str, Any]
+    comm_model: str
+    assumptions: list[str]
+    stages: list[Plan]
+
+
+def model_summary(spec: ModelSpec) -> ModelSummary:
+    return ModelSummary(
+        name=spec.name, source=spec.source, model_type=spec.model_type, params=spec.params,
+        largest_layer_params=spec.largest_module_params, largest_layer_name=spec.largest_module_name,
+        active_params=spec.active_params, approximate=spec.approximate,
+    )
+
+
+def training_summary(training: TrainingSetup) -> dict[str, Any]:
+    return {
+        "precision": training.precision.name,
+        "precision_source": training.precision_source,
+        "bytes_per_param": {
+            "params": training.precision.param_bytes,
+            "gradients": training.precision.grad_bytes,
+            "optimizer_states": training.optimizer_bytes_per_param,
+        },
+        "optimizer": training.optimizer.name,
+        "micro_batch": training.micro_batch,
+        "seq_len": training.seq_len,
+        "grad_accum": training.grad_accum,
+        "checkpointing": training.checkpointing,
+        "flash_attention": training.flash_attention,
+    }
+
+
+__all__ += ["ModelSummary", "ClusterSummary", "EstimateResult", "model_summary", "training_summary"]

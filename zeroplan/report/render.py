@@ -1,0 +1,122 @@
+"""Rich renderers for the terminal. Units are always printed: GB = 10^9 bytes, GiB = 2^30."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroplan._util import GB, GiB
+
+__all__ = ["render_estimate", "gb", "gb_gib", "render_findings", "seconds"]
+
+
+def gb(n: float | None) -> str:
+    return "—" if n is None else f"{n / GB:,.2f} GB"
+
+
+def gb_gib(n: float | None) -> str:
+    return "—" if n is None else f"{n / GB:,.2f} GB ({n / GiB:,.2f} GiB)"
+
+
+def seconds(t: float | None) -> str:
+    if t is None:
+        return "—"
+    if t < 1e-3:
+        return f"{t * 1e6:,.1f} µs"
+    if t < 1:
+        return f"{t * 1e3:,.1f} ms"
+    return f"{t:,.2f} s"
+
+
+def _stage_label(p: Any) -> str:
+    label = f"ZeRO-{p.stage}"
+    extra = []
+    if p.offload_optimizer != "none":
+        extra.append(f"opt→{p.offload_optimizer}")
+    if p.offload_param != "none":
+        extra.append(f"param→{p.offload_param}")
+    return label + (f" ({', '.join(extra)})" if extra else "")
+
+
+def render_findings(con: Any, findings: list[Any]) -> None:
+    colors = {"error": "red", "warning": "yellow", "info": "cyan"}
+    for f in findings:
+        where = f" [{f.key}]" if getattr(f, "key", "") else ""
+        con.print(f"[{colors.get(f.severity, 'white')}]{f.severity:7}[/] {f.rule_id}{where}: {f.message}", markup=True,
+                  highlight=False)
+
+
+def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None) -> None:
+    from rich.table import Table
+
+    m, c = result.model, result.cluster
+    approx = " (approximate shape)" if m.approximate else ""
+    con.print(
+        f"[bold]{m.name}[/]{approx}: {m.params:,} parameters "
+        f"(largest module {m.largest_layer_name}: {m.largest_layer_params:,})",
+        markup=True,
+    )
+    hw = f" on {c.hardware} ({c.gpu}, {gb_gib(c.gpu_memory_bytes)} each)" if c.hardware else " (no hardware profile)"
+    t = result.training
+    con.print(
+        f"{c.n_gpus} GPUs = {c.nodes} node(s) × {c.gpus_per_node}{hw}; {t['precision']} "
+        f"({t['bytes_per_param']['params']}/{t['bytes_per_param']['gradients']}/"
+        f"{t['bytes_per_param']['optimizer_states']:g} bytes per parameter), {t['optimizer']}, micro-batch "
+        f"{t['micro_batch']} × {t['seq_len']} tokens, grad-accum {t['grad_accum']}, checkpointing "
+        f"{t['checkpointing']}, comm model {result.comm_model}",
+        markup=False,
+    )
+    table = Table(title="Per-GPU memory and communication per optimizer step", title_justify="left")
+    table.add_column("", style="bold")
+    for p in result.stages:
+        table.add_column(_stage_label(p), justify="right")
+
+    def row(label: str, fn) -> None:
+        table.add_row(label, *[fn(p) for p in result.stages])
+
+    row("parameters", lambda p: gb(p.memory.params))
+    row("gradients", lambda p: gb(p.memory.gradients))
+    row("optimizer states", lambda p: gb(p.memory.optimizer_states))
+    row("model states", lambda p: gb(p.memory.model_states))
+    row("buffers (at peak)", lambda p: gb(p.memory.buffers))
+    row("activations (at peak)", lambda p: gb(p.memory.activations))
+    row("overhead", lambda p: gb(p.memory.overhead))
+    row("peak per GPU", lambda p: f"[bold]{gb(p.memory.peak)}[/]\n{p.memory.peak / GiB:,.2f} GiB, {p.memory.peak_phase}")
+    if c.gpu_memory_bytes:
+        row("fits", lambda p: ("[green]yes[/]" if p.fits else "[red]NO[/]") + f"\n{gb(p.headroom_bytes)} headroom")
+    row("host RAM per node", lambda p: gb(p.host_memory_per_node) + ("" if p.host_fits in (None, True) else " [red]over[/]"))
+    if any(p.memory.host.nvme_per_node_bytes for p in result.stages):
+        row("NVMe per node", lambda p: gb(p.memory.host.nvme_per_node_bytes))
+    row("sent per GPU per step", lambda p: gb(p.comm.bytes_per_gpu_per_step))
+    if c.hardware:
+        row("comm time (serial)", lambda p: seconds(p.comm.time_s))
+        row("exposed comm best–worst", lambda p: f"{seconds(p.time.exposed_time_s['best'])} – {seconds(p.time.exposed_time_s['worst'])}")
+        row("compute", lambda p: seconds(p.time.compute_time_s))
+        row("step time", lambda p: seconds(p.step_time_s))
+        row("comm share", lambda p: f"{p.time.comm_share:.0%}")
+        row("tokens/s (cluster)", lambda p: f"{p.tokens_per_s:,.0f}")
+    con.print(table)
+
+    con.print("[bold]What sets the peak[/]", markup=True)
+    for p in result.stages:
+        con.print(f"  {_stage_label(p)}: {p.memory.peak_reason}", markup=False, highlight=False)
+    ds_rows = [p for p in result.stages if p.deepspeed_estimator is not None]
+    if ds_rows:
+        con.print("[bold]DeepSpeed's own estimator[/] (model states only; DeepSpeed prints GiB labelled \"GB\")", markup=True)
+        for p in ds_rows:
+            e = p.deepspeed_estimator
+            diff = p.memory.peak - e.gpu_bytes_per_gpu
+            con.print(
+                f"  {_stage_label(p)}: {gb_gib(e.gpu_bytes_per_gpu)} per GPU, {gb(e.cpu_bytes_per_node)} CPU per node; "
+                f"zeroplan's peak is {gb(abs(diff))} {'higher' if diff >= 0 else 'lower'}: buffers "
+                f"{gb(p.memory.buffers)}, activations {gb(p.memory.activations)}, overhead {gb(p.memory.overhead)} "
+                f"are not in DeepSpeed's estimate",
+                markup=False, highlight=False,
+            )
+    notes = list(dict.fromkeys(result.assumptions + [n for p in result.stages for n in p.notes]))
+    if notes:
+        con.print("[bold]Assumptions[/]", markup=True)
+        for n in notes:
+            con.print(f"  - {n}", markup=False, highlight=False)
+    if ds_findings:
+        con.print("[bold]DeepSpeed config findings[/]", markup=True)
+        render_findings(con, ds_findings)

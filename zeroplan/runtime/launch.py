@@ -200,12 +200,15 @@ def _child_main(fn: Callable, rank: int, world_size: int, args: tuple, backend: 
 
 # ------------------------------------------------------------------ the parent
 def spawn(fn: Callable[..., Any], nproc: int, *, args: tuple = (), backend: str = "gloo",
-          timeout_s: float = 120, env: dict[str, str] | None = None) -> list[Any]:
+          timeout_s: float = 120, env: dict[str, str] | None = None,
+          on_poll: Callable[[], None] | None = None) -> list[Any]:
     """Run ``fn(rank, nproc, *args)`` on ``nproc`` forked ranks; return their results in rank order.
 
     ``timeout_s`` bounds the whole run (seconds); the process-group timeout is the same.
     Raises ``RankError`` when a rank raises, dies or hangs; ``InputError`` when ``nproc`` ranks
-    cannot run on this machine. ``fn`` must be picklable-free: with fork it is inherited.
+    cannot run on this machine. ``fn`` need not be picklable: with fork it is inherited.
+    ``on_poll`` (optional) is called in the parent about twice a second while ranks run
+    (e.g. to refresh a progress bar).
     """
     import multiprocessing as mp
     from multiprocessing.connection import wait as mp_wait
@@ -228,7 +231,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: tuple = (), backend: str 
                                       result_dir))
                 p.start()
                 procs.append(p)
-            return _supervise(procs, result_dir, timeout_s, mp_wait)
+            return _supervise(procs, result_dir, timeout_s, mp_wait, on_poll)
         finally:
             _kill_all(procs)
             del store
@@ -256,7 +259,8 @@ def _failure_of(rank: int, proc: Any, result_dir: str) -> RankFailure:
     return RankFailure(rank=rank, kind="died", message=f"died with exit code {code} without a result")
 
 
-def _supervise(procs: list[Any], result_dir: str, timeout_s: float, mp_wait: Callable) -> list[Any]:
+def _supervise(procs: list[Any], result_dir: str, timeout_s: float, mp_wait: Callable,
+               on_poll: Callable[[], None] | None = None) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     pending = {p.sentinel: (rank, p) for rank, p in enumerate(procs)}
     results: dict[int, Any] = {}
@@ -273,6 +277,8 @@ def _supervise(procs: list[Any], result_dir: str, timeout_s: float, mp_wait: Cal
             raise RankError(failures + timeout_failures,
                             note=f"rank{'s' if len(still) > 1 else ''} {names} did not finish within {timeout_s:g} s")
         ready = mp_wait(list(pending), timeout=min(remaining, 0.5))
+        if on_poll is not None:
+            on_poll()
         for sentinel in ready:
             rank, proc = pending.pop(sentinel)
             proc.join()

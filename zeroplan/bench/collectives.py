@@ -1,0 +1,416 @@
+"""`zeroplan bench collectives`: an nccl-tests style sweep through the instrumented comm layer.
+
+Per op and message size (``size_bytes`` = the FULL buffer, as in the ledger: all-reduce
+tensor, all-gather output, reduce-scatter input, all-to-all input, broadcast tensor):
+
+- every rank runs ``warmup`` untimed calls, a barrier (and a device synchronise on CUDA),
+  then ``iters`` timed calls; its time is the mean seconds per call;
+- ``time_s`` = max over ranks of that mean (nccl-tests reports the slowest rank);
+- ``algbw_GBps = size_bytes / time_s / 1e9``; ``busbw_GBps = algbw × busbw_factor(op, n)``
+  (nccl-tests doc/PERFORMANCE.md; n = size of the group the op runs on);
+- per-rank spread (min / median / max of the per-rank means) and stragglers: ranks whose
+  time exceeds ``straggler_threshold × median``. With blocking collectives a rank that
+  ARRIVES late delays every rank alike; what the per-rank spread shows is a rank whose own
+  completion is late (slow device or receive path).
+
+Groups: "all" (the world), "intra" (each node's ranks, concurrently on every node) or
+"inter" (ranks with the same local rank across nodes). Node layout: contiguous ranks,
+``gpus_per_node`` per node (torchrun's LOCAL_WORLD_SIZE, or a simulated layout locally).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, Field
+
+from zeroplan._util import InputError, atomic_write_text
+from zeroplan.specs.collectives import busbw_factor
+
+__all__ = [
+    "BenchConfig",
+    "SizeResult",
+    "CollectivesReport",
+    "BENCH_OPS",
+    "DTYPE_BYTES",
+    "parse_size",
+    "message_sizes",
+    "bench_rank",
+    "aggregate",
+    "run_collectives",
+    "fit_tiers",
+    "save_profile_from_report",
+]
+
+BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce")
+DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GROUP_CHOICES = ("all", "intra", "inter")
+_GROUP_KIND = {"all": "all", "intra": "intra-node", "inter": "inter-node"}
+
+
+class BenchConfig(BaseModel):
+    """What to sweep. Sizes in bytes (full buffer); times in seconds."""
+
+    ops: list[str] = Field(default_factory=lambda: list(DEFAULT_OPS))
+    min_bytes: int = 1024
+    max_bytes: int = 16 * 2**20
+    factor: int = 2
+    dtype: str = "float32"
+    warmup: int = 5
+    iters: int = 20
+    group: str = "all"
+    gpus_per_node: int | None = None
+    straggler_threshold: float = 1.5
+    # test hook: {rank: seconds} added to that rank's timed region per call (simulates a rank
+    # whose completion is late); also read from ZEROPLAN_BENCH_DELAY="rank:seconds[,rank:seconds]".
+    inject_delay_s: dict[int, float] = Field(default_factory=dict)
+
+
+class SizeResult(BaseModel):
+    op: str
+    size_bytes: int = Field(description="full buffer, bytes")
+    count: int = Field(description="elements in the full buffer")
+    dtype: str
+    group: str
+    group_size: int
+    time_s: float = Field(description="max over ranks of the mean seconds per call")
+    algbw_GBps: float
+    busbw_GBps: float
+    busbw_factor: float
+    rank_time_s: list[float]
+    min_s: float
+    median_s: float
+    max_s: float
+    stragglers: list[int]
+    records: dict[str, int] = Field(description="instrumented-layer records on rank 0: count, buffer_bytes")
+
+
+class CollectivesReport(BaseModel):
+    world_size: int
+    backend: str
+    launcher: str
+    dtype: str
+    group: str
+    gpus_per_node: int
+    nodes: int
+    warmup: int
+    iters: int
+    straggler_threshold: float
+    ranks: list[dict[str, Any]]
+    groups: dict[str, list[list[int]]]
+    results: list[SizeResult]
+    stragglers: list[dict[str, Any]]
+    profile: str | None = None
+    fit: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ inputs
+_SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+               "G": 2**30, "GB": 2**30, "GIB": 2**30}
+
+
+def parse_size(text: str | int, what: str) -> int:
+    """'8', '1K', '64M', '1G' -> bytes (binary suffixes, as nccl-tests' -b/-e)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        s = str(text).strip().upper().replace(" ", "")
+        num = s.rstrip("KMGIB")
+        unit = s[len(num):]
+        if not num or unit not in _SIZE_UNITS:
+            raise InputError(f"{what} {text!r}: expected bytes such as 1024, 1K, 64M or 1G")
+        try:
+            value = int(float(num) * _SIZE_UNITS[unit])
+        except ValueError:
+            raise InputError(f"{what} {text!r}: expected bytes such as 1024, 1K, 64M or 1G") from None
+    if value < 1:
+        raise InputError(f"{what} {text!r}: expected at least 1 byte")
+    return value
+
+
+def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    """Geometric sweep min, min·f, ... <= max (bytes)."""
+    if factor < 2:
+        raise InputError(f"--factor {factor}: expected an integer >= 2")
+    if min_bytes > max_bytes:
+        raise InputError(f"--min-bytes {min_bytes} is larger than --max-bytes {max_bytes}")
+    sizes, s = [], min_bytes
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= factor
+    return sizes
+
+
+def _elements(size_bytes: int, elem: int, n: int) -> int:
+    """Elements of the full buffer: rounded down to a multiple of the group size (>= n)."""
+    count = max(1, size_bytes // elem)
+    return max(n, (count // n) * n)
+
+
+def validate_config(cfg: BenchConfig) -> None:
+    bad = [o for o in cfg.ops if o not in BENCH_OPS]
+    if bad or not cfg.ops:
+        raise InputError(f"--ops {','.join(cfg.ops)!r}: expected a comma list of {', '.join(BENCH_OPS)}")
+    if cfg.dtype not in DTYPE_BYTES:
+        raise InputError(f"--dtype {cfg.dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
+    if cfg.group not in GROUP_CHOICES:
+        raise InputError(f"--group {cfg.group!r}: expected all, intra or inter")
+    if cfg.iters < 1 or cfg.warmup < 0:
+        raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
+    if not cfg.straggler_threshold > 1.0:
+        raise InputError(f"--straggler-threshold {cfg.straggler_threshold}: expected a ratio > 1 (e.g. 1.5)")
+    message_sizes(cfg.min_bytes, cfg.max_bytes, cfg.factor)
+
+
+def _env_delays() -> dict[int, float]:
+    raw = os.environ.get("ZEROPLAN_BENCH_DELAY", "").strip()
+    out: dict[int, float] = {}
+    if raw:
+        for part in raw.split(","):
+            r, _, s = part.partition(":")
+            out[int(r)] = float(s)
+    return out
+
+
+# ------------------------------------------------------------------ one rank
+def bench_rank(rank: int, world_size: int, cfg_json: str, progress_path: str | None = None) -> dict[str, Any]:
+    """The per-rank sweep (runs inside a launched rank). Returns JSON: per (op, size) mean seconds."""
+    import torch
+    import torch.distributed as dist
+
+    from zeroplan.runtime.comm import InstrumentedComm
+    from zeroplan.runtime.launch import node_groups
+
+    cfg = BenchConfig.model_validate_json(cfg_json)
+    delays = {**_env_delays(), **{int(k): v for k, v in cfg.inject_delay_s.items()}}
+    my_delay = delays.get(rank, 0.0)
+    backend = dist.get_backend()
+    cuda = backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = getattr(torch, cfg.dtype)
+    elem = DTYPE_BYTES[cfg.dtype]
+
+    groups = node_groups(world_size, cfg.gpus_per_node)
+    if cfg.group == "all":
+        comm = InstrumentedComm(None, group_kind="all", cuda_sync_timing=False)
+    elif cfg.group == "intra":
+        comm = InstrumentedComm(groups.intra, group_kind="intra-node")
+    else:
+        comm = InstrumentedComm(groups.inter, group_kind="inter-node")
+    n = comm.world_size
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    sizes = message_sizes(cfg.min_bytes, cfg.max_bytes, cfg.factor)
+    total = len(sizes) * len(cfg.ops)
+    done = 0
+    out: list[dict[str, Any]] = []
+    for op in cfg.ops:
+        for size in sizes:
+            count = _elements(size, elem, n)
+            full = torch.ones(count, dtype=dtype, device=device)
+            shard = torch.ones(count // n, dtype=dtype, device=device)
+            other = torch.empty(count, dtype=dtype, device=device)
+            if op == "all_reduce":
+                call = lambda: comm.all_reduce(full)  # noqa: E731
+            elif op == "all_gather":
+                call = lambda: comm.all_gather(full, shard)  # noqa: E731
+            elif op == "reduce_scatter":
+                call = lambda: comm.reduce_scatter(shard, full)  # noqa: E731
+            elif op == "broadcast":
+                call = lambda: comm.broadcast(full, 0)  # noqa: E731
+            elif op == "reduce":
+                call = lambda: comm.reduce(full, 0)  # noqa: E731
+            else:
+                call = lambda: comm.all_to_all(other, full)  # noqa: E731
+            for _ in range(cfg.warmup):
+                call()
+            sync()
+            comm.reset()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(cfg.iters):
+                call()
+            sync()
+            if my_delay:
+                time.sleep(my_delay * cfg.iters)  # test hook: this rank completes late
+            mean_s = (time.perf_counter() - t0) / cfg.iters
+            recs = comm.records
+            out.append({
+                "op": op, "size_bytes": count * elem, "count": count, "group_size": n, "time_s": mean_s,
+                "records": {"count": len(recs),
+                            "buffer_bytes": recs[0].buffer_bytes if recs else 0,
+                            "consistent": int(all(r.buffer_bytes == recs[0].buffer_bytes and r.op == op
+                                                  and r.group_size == n for r in recs))},
+            })
+            comm.reset()
+            done += 1
+            if progress_path and rank == 0:
+                try:
+                    atomic_write_text(progress_path, f"{done}/{total}")
+                except OSError:
+                    pass
+    return {
+        "rank": rank,
+        "node": int(os.environ.get("GROUP_RANK", rank // groups.gpus_per_node)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", rank % groups.gpus_per_node)),
+        "hostname": socket.gethostname(),
+        "gpus_per_node": groups.gpus_per_node,
+        "intra_ranks": groups.intra_ranks,
+        "inter_ranks": groups.inter_ranks,
+        "results": out,
+    }
+
+
+# ------------------------------------------------------------------ aggregation
+def aggregate(per_rank: list[dict[str, Any]], cfg: BenchConfig, *, backend: str, launcher: str) -> CollectivesReport:
+    """Combine every rank's means into the report (pure Python)."""
+    world = len(per_rank)
+    gpn = per_rank[0]["gpus_per_node"]
+    results: list[SizeResult] = []
+    stragglers: list[dict[str, Any]] = []
+    for i, first in enumerate(per_rank[0]["results"]):
+        times = [pr["results"][i]["time_s"] for pr in per_rank]
+        t = max(times)
+        med = statistics.median(times)
+        n = first["group_size"]
+        factor = busbw_factor(first["op"], n)
+        algbw = first["size_bytes"] / t / 1e9
+        slow = [r for r, x in enumerate(times) if x > cfg.straggler_threshold * med]
+        for r in slow:
+            stragglers.append({"rank": r, "op": first["op"], "size_bytes": first["size_bytes"],
+                               "time_s": times[r], "median_s": med, "ratio": times[r] / med})
+        recs = first["records"]
+        results.append(SizeResult(
+            op=first["op"], size_bytes=first["size_bytes"], count=first["count"], dtype=cfg.dtype,
+            group=_GROUP_KIND[cfg.group], group_size=n, time_s=t, algbw_GBps=algbw, busbw_GBps=algbw * factor,
+            busbw_factor=factor, rank_time_s=times, min_s=min(times), median_s=med, max_s=t, stragglers=slow,
+            records={"count": recs["count"], "buffer_bytes": recs["buffer_bytes"], "consistent": recs["consistent"]},
+        ))
+    intra = sorted({tuple(pr["intra_ranks"]) for pr in per_rank})
+    inter = sorted({tuple(pr["inter_ranks"]) for pr in per_rank})
+    ranks = [{k: pr[k] for k in ("rank", "node", "local_rank", "hostname")} for pr in per_rank]
+    return CollectivesReport(
+        world_size=world, backend=backend, launcher=launcher, dtype=cfg.dtype, group=_GROUP_KIND[cfg.group],
+        gpus_per_node=gpn, nodes=world // gpn, warmup=cfg.warmup, iters=cfg.iters,
+        straggler_threshold=cfg.straggler_threshold, ranks=ranks,
+        groups={"intra-node": [list(g) for g in intra], "inter-node": [list(g) for g in inter]},
+        results=results, stragglers=stragglers,
+    )
+
+
+def run_collectives(cfg: BenchConfig, *, nproc: int = 2, backend: str = "auto", timeout_s: float = 600,
+                    on_progress: Callable[[int, int], None] | None = None) -> CollectivesReport | None:
+    """Run the sweep: join torchrun when launched under it, else fork ``nproc`` local ranks.
+
+    Returns the report (under torchrun: on rank 0 only; other ranks get None).
+    """
+    from zeroplan.runtime.launch import join_torchrun, resolve_backend, spawn, under_torchrun
+
+    validate_config(cfg)
+    backend = resolve_backend(backend)
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        _check_groups(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if cfg.gpus_per_node is None
+                      else cfg.gpus_per_node)
+        per_rank = join_torchrun(bench_rank, args=(cfg.model_dump_json(), None), backend=backend,
+                                 timeout_s=timeout_s)
+        if int(os.environ["RANK"]) != 0:
+            return None
+        return aggregate(per_rank, cfg, backend=backend, launcher="torchrun")
+    if cfg.gpus_per_node is None:
+        cfg = cfg.model_copy(update={"gpus_per_node": nproc})
+    _check_groups(cfg, nproc, cfg.gpus_per_node)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="zeroplan-bench-") as tmp:
+        progress_path = str(Path(tmp) / "progress") if on_progress else None
+        poll = None
+        if on_progress:
+            def poll() -> None:
+                try:
+                    done, _, total = Path(progress_path).read_text().partition("/")
+                    on_progress(int(done), int(total))
+                except (OSError, ValueError):
+                    pass
+        per_rank = spawn(bench_rank, nproc, args=(cfg.model_dump_json(), progress_path), backend=backend,
+                         timeout_s=timeout_s, on_poll=poll)
+    return aggregate(per_rank, cfg, backend=backend, launcher="local")
+
+
+def _check_groups(cfg: BenchConfig, world: int, gpus_per_node: int) -> None:
+    if gpus_per_node < 1 or world % gpus_per_node:
+        raise InputError(f"--gpus-per-node {gpus_per_node}: world size {world} is not a multiple of it")
+    nodes = world // gpus_per_node
+    if cfg.group == "inter" and nodes < 2:
+        raise InputError(f"--group inter: needs at least 2 nodes, world size {world} is one node of {gpus_per_node}")
+    if cfg.group == "intra" and gpus_per_node < 2:
+        raise InputError(f"--group intra: needs at least 2 ranks per node, got {gpus_per_node}")
+
+
+# ------------------------------------------------------------------ calibration
+def fit_tiers(report: CollectivesReport) -> dict[str, Any]:
+    """α–β fit over the sweep for the link tier the measured group exercised.
+
+    group "intra-node" -> intra_node; "inter-node" -> inter_node; "all" -> intra_node on one
+    node, inter_node (the bottleneck tier) across nodes.
+    """
+    from zeroplan.bench.fit import fit_alpha_beta
+
+    if report.group == "intra-node" or (report.group == "all" and report.nodes == 1):
+        tier = "intra_node"
+    else:
+        tier = "inter_node"
+    points = [(r.size_bytes * r.busbw_factor, r.time_s) for r in report.results if r.busbw_factor > 0]
+    if not points:
+        raise InputError("--save-profile: no op in the sweep moves data across the group (world size 1?)")
+    return {tier: fit_alpha_beta(points)}
+
+
+def save_profile_from_report(report: CollectivesReport, path: str, hardware: str | None) -> dict[str, dict[str, float]]:
+    """Write a hardware-profile TOML: the fitted link tier(s) from the sweep, every other field
+    (and its source) from the ``hardware`` base profile. Returns the fit per tier."""
+    from zeroplan.specs import hardware as hw
+
+    if hardware is None:
+        raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the non-link fields")
+    fits = fit_tiers(report)
+    base = hw.load_profile(hardware)
+    today = date.today().isoformat()
+    note = (f"measured by zeroplan bench collectives on {today}: {report.backend}, world size "
+            f"{report.world_size} ({report.nodes} node(s) x {report.gpus_per_node}), group {report.group}, "
+            f"{report.dtype}, ops {','.join(sorted({r.op for r in report.results}))}, "
+            f"{len(report.results)} points; alpha-beta least squares t = alpha + busbw_bytes/beta")
+    updates: dict[str, Any] = {}
+    sources = dict(base.sources)
+    out: dict[str, dict[str, float]] = {}
+    for tier, f in fits.items():
+        latency_us = max(f.latency_us, 0.1)  # the profile schema's floor (0.1 us)
+        updates[tier] = getattr(base, tier).model_copy(update={
+            "bandwidth_GBps_per_gpu": f.bandwidth_GBps, "latency_us": latency_us, "efficiency": 1.0,
+        })
+        sources[f"{tier}.bandwidth_GBps_per_gpu"] = f"{note} (R^2 {f.r2:.3f})"
+        sources[f"{tier}.latency_us"] = note + ("" if latency_us == f.latency_us else
+                                                f" (fitted {f.latency_us:.3g} us, raised to the 0.1 us floor)")
+        sources[f"{tier}.efficiency"] = f"{note}: 1.0 because the bandwidth is the measured bus bandwidth"
+        out[tier] = {"latency_us": latency_us, "bandwidth_GBps": f.bandwidth_GBps, "r2": f.r2,
+                     "points": f.points, "max_rel_error": f.max_rel_error}
+    updates["sources"] = sources
+    updates["description"] = f"{base.description} — link tier(s) {', '.join(fits)} {note}"
+    profile = base.model_copy(update=updates)
+    hw.save_profile(profile, path)
+    return out
+
+
+def write_report_json(report: CollectivesReport, path: str) -> None:
+    atomic_write_text(path, json.dumps(report.model_dump(mode="json"), indent=2, allow_nan=False) + "\n")

@@ -1,0 +1,181 @@
+"""`zeroplan bench collectives` and `zeroplan bench zero` (the on-cluster proof).
+
+torch is imported only inside the command bodies: `zeroplan --help` and the planning
+commands never load it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import typer
+
+from zeroplan._util import InputError
+from zeroplan.commands._common import console, err_console, fail, handle_errors, print_json
+
+__all__ = ["register", "bench_app"]
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Measure on the cluster: collective bandwidth sweeps and real ZeRO steps vs the plan.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _fmt_size(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _render_table(report: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title=(f"bench collectives — {report.backend}, world {report.world_size} "
+                     f"({report.nodes} node(s) × {report.gpus_per_node}), group {report.group}, {report.dtype}, "
+                     f"{report.iters} iters"), title_justify="left")
+    for col in ("op", "size", "n", "time µs", "algbw GB/s", "busbw GB/s", "rank min–median–max µs", "slow"):
+        t.add_column(col, justify="left" if col in ("op", "slow") else "right", no_wrap=True)
+    for r in report.results:
+        t.add_row(r.op, _fmt_size(r.size_bytes), str(r.group_size), f"{r.time_s * 1e6:,.1f}",
+                  f"{r.algbw_GBps:.3f}", f"{r.busbw_GBps:.3f}",
+                  f"{r.min_s * 1e6:,.0f}–{r.median_s * 1e6:,.0f}–{r.max_s * 1e6:,.0f}",
+                  ",".join(map(str, r.stragglers)) or "-")
+    out = console()
+    out.print(t)
+    out.print("GB/s = 1e9 bytes/s; size = full buffer (nccl-tests convention); time = slowest rank's mean per call.")
+    if report.stragglers:
+        ranks = sorted({s["rank"] for s in report.stragglers})
+        out.print(f"[yellow]stragglers (> {report.straggler_threshold:g} × median):[/] ranks "
+                  f"{', '.join(map(str, ranks))} in {len(report.stragglers)} of {len(report.results)} measurements")
+
+
+@bench_app.command("collectives")
+@handle_errors
+def collectives(
+    ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,broadcast,all_to_all", "--ops",
+                            help="Comma list of all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, reduce."),
+    min_bytes: str = typer.Option("1K", "--min-bytes", help="Smallest full-buffer size (bytes; K/M/G = 2^10/2^20/2^30)."),
+    max_bytes: str = typer.Option("16M", "--max-bytes", help="Largest full-buffer size (bytes; K/M/G binary)."),
+    factor: int = typer.Option(2, "--factor", help="Size multiplier between steps of the sweep."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    warmup: int = typer.Option(5, "--warmup", help="Untimed calls per op and size."),
+    iters: int = typer.Option(20, "--iters", help="Timed calls per op and size."),
+    nproc: int = typer.Option(2, "--nproc", help="Local ranks to start (ignored under torchrun, which sets the world)."),
+    backend: str = typer.Option("auto", "--backend", help="auto (nccl if CUDA is available, else gloo), nccl or gloo."),
+    group: str = typer.Option("all", "--group", help="all (the world), intra (within each node) or inter (across nodes)."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node",
+                                                help="Ranks per node (default: torchrun's LOCAL_WORLD_SIZE, else --nproc)."),
+    straggler_threshold: float = typer.Option(1.5, "--straggler-threshold",
+                                              help="Flag a rank whose time exceeds this × the median rank's."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds before hung ranks are killed."),
+    save_profile: Optional[str] = typer.Option(None, "--save-profile",
+                                               help="Write a calibrated hardware-profile TOML (alpha-beta fit)."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="Base profile for --save-profile's other fields."),
+    output: Optional[str] = typer.Option(None, "--output", help="Also write the JSON report to this file (atomic)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
+) -> None:
+    """nccl-tests style sweep: time, algbw, busbw per op and size, per-rank spread, stragglers."""
+    from zeroplan.bench.collectives import (
+        BenchConfig,
+        parse_size,
+        run_collectives,
+        save_profile_from_report,
+        validate_config,
+        write_report_json,
+    )
+    from zeroplan.runtime.launch import RankError, under_torchrun
+
+    cfg = BenchConfig(
+        ops=[o.strip() for o in ops.split(",") if o.strip()],
+        min_bytes=parse_size(min_bytes, "--min-bytes"), max_bytes=parse_size(max_bytes, "--max-bytes"),
+        factor=factor, dtype=dtype, warmup=warmup, iters=iters, group=group, gpus_per_node=gpus_per_node,
+        straggler_threshold=straggler_threshold,
+    )
+    validate_config(cfg)
+    if save_profile is not None and hardware is None:
+        raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the non-link fields")
+    if timeout <= 0:
+        raise InputError(f"--timeout {timeout}: expected seconds > 0")
+    if save_profile is not None:
+        from zeroplan.specs.hardware import load_profile
+
+        load_profile(hardware)  # fail on a bad base before running anything
+    show_progress = not json_out and sys.stdout.isatty() and not under_torchrun()
+    try:
+        if show_progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=err_console(), transient=True) as prog:
+                task = prog.add_task("sweep", total=None)
+
+                def on_progress(done: int, total: int) -> None:
+                    prog.update(task, completed=done, total=total)
+
+                report = run_collectives(cfg, nproc=nproc, backend=backend, timeout_s=timeout,
+                                         on_progress=on_progress)
+        else:
+            report = run_collectives(cfg, nproc=nproc, backend=backend, timeout_s=timeout)
+    except RankError as exc:
+        fail(f"bench collectives: {exc}", 1)
+        return
+    if report is None:  # a non-zero torchrun rank: rank 0 reports
+        return
+    if save_profile is not None:
+        report.fit = save_profile_from_report(report, save_profile, hardware)
+        report.profile = save_profile
+    if output is not None:
+        write_report_json(report, output)
+    if json_out:
+        print_json(report)
+    else:
+        _render_table(report)
+        if save_profile is not None:
+            for tier, f in report.fit.items():
+                console().print(f"{tier}: latency {f['latency_us']:.1f} µs, bandwidth {f['bandwidth_GBps']:.3f} GB/s "
+                                f"(R² {f['r2']:.3f}) → {save_profile}")
+
+
+@bench_app.command("zero")
+@handle_errors
+def zero(
+    model: str = typer.Option(..., "--model", help="Catalog name, HF config.json path, or a count like 125M."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="Profile name or TOML path."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="ZeRO stage(s): 0,1,2,3 or a comma list."),
+    ds_config: Optional[str] = typer.Option(None, "--ds-config", help="DeepSpeed JSON config."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16 or fp16."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer preset."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len"),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps to run per stage."),
+    nproc: int = typer.Option(2, "--nproc", help="Local ranks (ignored under torchrun)."),
+    backend: str = typer.Option("auto", "--backend", help="auto, nccl or gloo."),
+    comm_model: str = typer.Option("deepspeed", "--comm-model", help="deepspeed or paper."),
+    tolerance: Optional[float] = typer.Option(None, "--tolerance", help="Relative error that fails the run."),
+    output: Optional[str] = typer.Option(None, "--output", help="Write the JSON report to this file (atomic)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
+) -> None:
+    """Run real ZeRO steps per stage and compare predicted vs measured memory and collectives."""
+    try:
+        from zeroplan.bench.validate import run_bench_zero_cli
+    except ImportError as exc:
+        raise InputError(f"bench zero is not available in this build ({exc})") from None
+    options = dict(model=model, hardware=hardware, stage=stage, ds_config=ds_config, precision=precision,
+                   optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
+                   steps=steps, nproc=nproc, backend=backend, comm_model=comm_model, tolerance=tolerance,
+                   output=output, json_out=json_out)
+    code = run_bench_zero_cli(**options)
+    if code:
+        raise typer.Exit(int(code))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")

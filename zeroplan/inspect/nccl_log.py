@@ -694,7 +694,8 @@ class OpComparison(BaseModel):
     logged_bytes: int
     calls_diff: int  # logged − predicted
     bytes_diff: int
-    bytes_ratio: float | None  # logged / predicted (None when nothing was predicted)
+    calls_ratio: float | None  # logged / predicted calls: ≈ the optimizer steps the log covers
+    bytes_ratio: float | None  # logged / predicted bytes (None when nothing was predicted)
     match: bool  # same calls and bytes
     note: str = ""
 
@@ -774,6 +775,7 @@ def compare_with_ledger(
                 logged_bytes=lb,
                 calls_diff=lc - pc,
                 bytes_diff=lb - pb,
+                calls_ratio=(lc / pc) if pc else None,
                 bytes_ratio=(lb / pb) if pb else None,
                 match=(pc == lc and pb == lb),
                 note=note,

@@ -793,11 +793,18 @@ def _scale(spec: ModelSpec, num_layers, hidden_size, intermediate_size, vocab_si
 
     heads = num_attention_heads
     explicit_hd = "head_dim" in cfg and cfg["head_dim"] is not None
-    if hidden_size is not None and heads is None and not explicit_hd:
-        if hidden_size % spec.head_dim:
-            raise InputError(f"scaled(): hidden_size {hidden_size} is not a multiple of head_dim "
-                             f"{spec.head_dim} of {spec.name}")
-        heads = hidden_size // spec.head_dim
+    extra_notes: list[str] = []
+    if hidden_size is not None and heads is None:
+        if explicit_hd:  # head_dim is a config key (Gemma): scale the head count with the width
+            heads = max(1, round(spec.num_attention_heads * hidden_size / spec.hidden_size))
+        elif hidden_size % spec.head_dim == 0:
+            heads = hidden_size // spec.head_dim
+        else:  # nearest head count that divides the new width
+            want = hidden_size / spec.head_dim
+            heads = min((d for d in range(1, hidden_size + 1) if hidden_size % d == 0),
+                        key=lambda d: (abs(d - want), d))
+            extra_notes.append(f"hidden_size {hidden_size} is not a multiple of head_dim {spec.head_dim}: "
+                               f"{heads} heads of {hidden_size // heads}")
     if heads is not None:
         put("num_attention_heads", heads)
         if num_key_value_heads is None:
@@ -828,4 +835,5 @@ def _scale(spec: ModelSpec, num_layers, hidden_size, intermediate_size, vocab_si
         out.approximate = False
         out.notes = [f"scaled from the default llama-style shape of the count spec {spec.name!r}; "
                      "this small shape is exact"]
+    out.notes.extend(extra_notes)
     return out

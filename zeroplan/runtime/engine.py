@@ -1,0 +1,824 @@
+"""A compact, faithful ZeRO engine (stages 0-3) on an ``InstrumentedComm``.
+
+It executes exactly the collective schedule of /work/briefs/ledger.md (``zeroplan.core.comm``)
+for both flavours, and keeps the buffers DeepSpeed 0.19.8 keeps
+(deepspeed-internals.md §4), tagged by category for ``zeroplan.runtime.memory``:
+
+Notation: Ψ parameters in the model's tensor order (forward order), N ranks, b_p bytes of the
+model dtype (= gradient and communication dtype), g micro-steps per optimizer step.
+
+- Every stage keeps an fp32 master copy (also in fp32 training: 4/4/12 bytes per parameter,
+  the planner's 20-byte baseline) and AdamW m, v in fp32: ``optimizer_states`` = 12 bytes per
+  owned element (stage 0: all Ψ; stages 1-2: Ψ₁₂/N; stage 3: Σ⌈numel/N⌉).
+- stage 0: params and gradients are flat Ψ-element buffers (gradients created at the first
+  backward of a step, freed after the step); at the accumulation boundary every gradient
+  bucket is flattened (a bucket-sized copy) and all-reduced.
+- stages 1-2: one flat bit16 buffer of all params padded to Ψ₁₂ = ⌈Ψ/2N⌉·2N; rank r owns
+  [r·Ψ₁₂/N, (r+1)·Ψ₁₂/N). Gradient buckets go through the ``ipg`` buffer of
+  ``reduce_bucket_size`` elements (two with ``overlap_comm``: double buffering, async
+  all-reduce) when ``contiguous_gradients``, and a flatten copy is all-reduced (DeepSpeed's
+  ``allreduce_bucket``); with ``use_multi_rank_bucket_allreduce=false`` each bucket is split at
+  partition boundaries and every piece is ``reduce``d to its owner. Stage 1 keeps full flat
+  gradients (Ψ₁₂) and reduces once at the boundary; stage 2 reduces every micro-step from
+  post-accumulate-grad hooks and keeps only its Ψ₁₂/N partition. After the step: one
+  all-gather of the flat buffer (in place), plus the 1-byte overflow flag and the 4-byte
+  norm all-reduces (``deepspeed`` flavour).
+- stage 3: every parameter is partitioned on its own, padded to p̂ = ⌈numel/N⌉·N; rank r keeps
+  its p̂/N slice (``params``), an equal bit16 gradient partition (``gradients``, persistent) and
+  the fp32 states. Parameters with numel <= ``param_persistence_threshold`` (within the
+  ``model_persistence_threshold`` cap) are also kept whole on every rank. Each module that
+  directly owns non-persistent parameters is one gather unit: a forward pre-hook all-gathers
+  its parameters in one call (buffer Σp̂, then per-parameter copies: the ~2× transient of a
+  coalesced gather; a single parameter is a view into its padded buffer); after the unit's
+  last forward use it is released unless its reuse distance 2·Σ_{later units} Σp̂ <=
+  ``max_reuse_distance`` (``deepspeed``; ``paper``: always released). A custom autograd node on
+  the module's output re-gathers a released unit before its backward; the unit is released
+  again once all its gradients are reduced. Gradients go into the persistent ``ipg`` bucket
+  (``reduce_bucket_size`` elements, padded p̂ per parameter), are interleaved per rank into a
+  bucket-sized copy and reduce-scattered. After the step: one all-gather per persistent
+  parameter and an 8-byte fp64 norm all-reduce (``deepspeed`` flavour).
+- Bucketing (all stages) follows the ledger's canonical order — reverse of the tensor order,
+  greedy flush before an overflowing gradient, an oversized gradient alone — whatever order
+  autograd produces gradients in (a ready-pointer walks the canonical order).
+- ``paper`` flavour, stages 1-2: gradients are reduce-scattered in partition-aligned buckets:
+  each rank's partition is cut into chunks of c = max(1, ⌊reduce_bucket_size/N⌋) elements and
+  bucket k holds chunk k of every rank (N·c elements, the last one shorter), so every rank
+  receives exactly its own partition: ⌈(Ψ₁₂/N)/c⌉ calls, Σ = Ψ₁₂ elements. (A reduce-scatter
+  needs equal per-rank chunks; greedy tensor buckets cannot be reduce-scattered onto a flat
+  partition without a second exchange.)
+- The step: per optimizer group (stage 3: ``sub_group_size`` sub-groups of the partition;
+  stages 0-2: the whole partition) a bit16 flatten copy of the gradient partition, its fp32
+  copy (mixed precision) and one fp32 AdamW temporary (the denominator) are live; then the
+  new bit16 values are written back. ``offload_optimizer`` keeps the fp32 master, m, v and an
+  fp32 gradient partition on the host (``host=True`` tags: not device memory) and runs AdamW
+  there, on CPU and CUDA alike.
+- Stage-3 prefetch is not implemented (the current module is gathered on demand): it changes
+  no collective bytes, only when they are issued and how many units are live.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["ZeroEngine", "StepResult", "ceil_div", "greedy_buckets"]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def greedy_buckets(sizes: list[int], bucket_elems: int) -> list[list[int]]:
+    """Indices (into ``sizes``) per bucket: flush before adding when the bucket would overflow."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    cur_n = 0
+    for i, n in enumerate(sizes):
+        if cur and cur_n + n > bucket_elems:
+            out.append(cur)
+            cur, cur_n = [], 0
+        cur.append(i)
+        cur_n += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _get(obj: Any, name: str, default: Any) -> Any:
+    v = getattr(obj, name, default) if obj is not None else default
+    return default if v is None else v
+
+
+def _device_of(cfg: Any) -> str:
+    dev = _get(cfg, "device", "none")
+    return str(getattr(dev, "value", dev) or "none")
+
+
+class StepResult(dict):
+    """``{"loss": float, "model_states": {category: bytes}}`` for one optimizer step."""
+
+
+class ZeroEngine:
+    """ZeRO stages 0-3 over ``model`` (parameters in forward order), collectives through ``comm``.
+
+    ``zero``: a ``zeroplan.specs.deepspeed_config.ZeroConfig`` (or any object with the same
+    attribute names). ``meter``: a ``zeroplan.runtime.memory`` meter (tags + phases) or None.
+    """
+
+    def __init__(self, model: Any, zero: Any, *, precision: str = "fp32", optimizer: str = "adamw",
+                 comm: Any, grad_accum: int = 1, comm_model: str = "deepspeed",
+                 offload_optimizer: bool | None = None, meter: Any = None, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        import torch
+
+        from zeroplan.runtime.memory import NullMeter
+        from zeroplan.runtime.model import param_units
+
+        if comm_model not in ("deepspeed", "paper"):
+            raise ValueError(f"comm_model {comm_model!r}: expected 'deepspeed' or 'paper'")
+        if str(optimizer).lower() not in ("adamw", "adam"):
+            raise ValueError(f"optimizer {optimizer!r}: the bundled engine implements AdamW only")
+        self.torch = torch
+        self.model = model
+        self.zero = zero
+        self.comm = comm
+        self.meter = meter if meter is not None else NullMeter()
+        self.stage = int(_get(zero, "stage", 0))
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage {self.stage}: expected 0..3")
+        self.flavour = comm_model
+        self.ds = comm_model == "deepspeed"
+        self.grad_accum = int(grad_accum)
+        self.precision = precision
+        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.n = comm.world_size
+        self.rank = comm.rank
+        self.rbs = max(1, int(_get(zero, "reduce_bucket_size", 500_000_000)))
+        self.overlap = bool(_get(zero, "overlap_comm", self.stage == 3))
+        if offload_optimizer is None:
+            offload_optimizer = _device_of(_get(zero, "offload_optimizer", None)) != "none"
+        self.offload = bool(offload_optimizer) and self.stage >= 1
+        self.contiguous = bool(_get(zero, "contiguous_gradients", True)) or self.offload
+        self.multi_rank = bool(_get(zero, "use_multi_rank_bucket_allreduce", True)) or not bool(
+            _get(zero, "reduce_scatter", True))
+        self.step_count = 0
+        self.micro_step = 0
+
+        units = param_units(model)
+        self.units = units
+        self.params: list[Any] = [p for _, _, ps in units for _, p in ps]
+        self.names: list[str] = [n for _, _, ps in units for n, _ in ps]
+        for p in self.params:
+            if p.dtype != self.dtype:
+                raise ValueError(f"parameter dtype {p.dtype} does not match precision {precision}")
+        self.device = self.params[0].device
+        self.host = torch.device("cpu")
+        self.numels = [p.numel() for p in self.params]
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.psi = sum(self.numels)
+        self._opt_dev = self.host if self.offload else self.device
+        self._hooks: list[Any] = []
+        [self._setup0, self._setup12, self._setup12, self._setup3][self.stage]()
+
+    # ------------------------------------------------------------------ helpers
+    def _tag(self, t: Any, cat: str, host: bool = False) -> Any:
+        return self.meter.tag(t, cat, host=host)
+
+    def _empty(self, n: int, cat: str, dtype: Any = None, zero: bool = False) -> Any:
+        """A new device tensor of ``n`` elements tagged ``cat``."""
+        torch = self.torch
+        t = (torch.zeros if zero else torch.empty)(n, dtype=dtype or self.dtype, device=self.device)
+        return self._tag(t, cat)
+
+    def _opt_state(self, init: Any) -> tuple[Any, Any, Any]:
+        """fp32 master (copy of ``init``), m, v on the optimizer device."""
+        torch = self.torch
+        host = self.offload
+        master = init.to(device=self._opt_dev, dtype=torch.float32, copy=True)
+        if host and self.device.type == "cuda":
+            master = master.pin_memory()
+        self._tag(master, "optimizer_states", host=host)
+        m = self._tag(torch.zeros_like(master), "optimizer_states", host=host)
+        v = self._tag(torch.zeros_like(master), "optimizer_states", host=host)
+        return master, m, v
+
+    def _ready_order(self) -> list[int]:
+        return list(range(len(self.params) - 1, -1, -1))
+
+    # ------------------------------------------------------------------ stage 0
+    def _setup0(self) -> None:
+        torch = self.torch
+        self.flat_param = self._empty(self.psi, "params")
+        self.offsets = []
+        off = 0
+        with torch.no_grad():
+            for p, n, shape in zip(self.params, self.numels, self.shapes):
+                self.flat_param[off:off + n].copy_(p.detach().reshape(-1))
+                p.data = self.flat_param[off:off + n].view(shape)
+                self.offsets.append(off)
+                off += n
+        self.master, self.m, self.v = self._opt_state(self.flat_param)
+        self.part_lo, self.part_n = 0, self.psi
+        self.flat_grad = None
+        self.buckets = self._flat_buckets()
+
+    def _flat_buckets(self) -> list[tuple[int, int, list[int]]]:
+        """(lo, hi, param indices) per gradient bucket, canonical order, flat coordinates."""
+        order = self._ready_order()
+        out = []
+        for idx in greedy_buckets([self.numels[i] for i in order], self.rbs):
+            ps = [order[k] for k in idx]
+            lo = min(self.offsets[i] for i in ps)
+            hi = max(self.offsets[i] + self.numels[i] for i in ps)
+            out.append((lo, hi, ps))
+        return out
+
+    def _attach_flat_grads(self, padded: int) -> None:
+        """Stages 0-1: a flat gradient buffer, params' .grad are views (autograd accumulates in place)."""
+        if self.flat_grad is None:
+            self.flat_grad = self._empty(padded, "gradients", zero=True)
+            for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+                p.grad = self.flat_grad[off:off + n].view(shape)
+
+    def _free_flat_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.flat_grad = None
+
+    # ------------------------------------------------------------------ stages 1-2
+    def _setup12(self) -> None:
+        torch = self.torch
+        n = self.n
+        self.padded = ceil_div(self.psi, 2 * n) * 2 * n
+        self.part_n = self.padded // n
+        self.part_lo = self.rank * self.part_n
+        self.flat_param = self._empty(self.padded, "params", zero=True)
+        self.offsets = []
+        off = 0
+        with torch.no_grad():
+            for p, k, shape in zip(self.params, self.numels, self.shapes):
+                self.flat_param[off:off + k].copy_(p.detach().reshape(-1))
+                p.data = self.flat_param[off:off + k].view(shape)
+                self.offsets.append(off)
+                off += k
+        self.master, self.m, self.v = self._opt_state(self.flat_param[self.part_lo:self.part_lo + self.part_n])
+        if self.offload:
+            self.grad32_host = self._tag(torch.zeros(self.part_n, dtype=torch.float32, device=self.host),
+                                         "optimizer_states", host=True)
+        self.flat_grad = None
+        self.grad_part = None
+        self.buckets = self._flat_buckets()
+        self.ipg: list[Any] = []
+        self._pending: list[tuple[Any, Any, Any]] = []
+        if self.stage == 2 and self.ds:
+            self._install_grad_hooks()
+
+    def _alloc_ipg(self, count: int) -> None:
+        if self.contiguous and not self.ipg:
+            self.ipg = [self._empty(self.rbs, "buffers") for _ in range(count)]
+
+    def _free_ipg(self) -> None:
+        self.ipg = []
+
+    def _grad_part(self) -> Any:
+        if self.grad_part is None:
+            self.grad_part = self._empty(self.part_n, "gradients", zero=True)
+        return self.grad_part
+
+    def _owned(self, lo: int, hi: int) -> tuple[int, int] | None:
+        a, b = max(lo, self.part_lo), min(hi, self.part_lo + self.part_n)
+        return (a, b) if a < b else None
+
+    def _reduce_bucket_12(self, k: int, source: Any) -> None:
+        """Reduce bucket k (flat [lo, hi)); ``source(i)`` gives param i's gradient (flat view)."""
+        torch = self.torch
+        lo, hi, ps = self.buckets[k]
+        size = hi - lo
+        if self.contiguous and size <= self.rbs:
+            slot = self._ipg_slot
+            self._ipg_slot = (slot + 1) % len(self.ipg)
+            self._wait_slot(slot)
+            buf = self.ipg[slot][:size]
+            for i in ps:
+                buf[self.offsets[i] - lo:self.offsets[i] - lo + self.numels[i]].copy_(source(i))
+            flat = self._tag(buf.clone(), "buffers")  # DeepSpeed's flatten copy in allreduce_bucket
+        else:
+            slot = None
+            flat = self._tag(torch.cat([source(i) for i in sorted(ps, key=lambda j: self.offsets[j])]), "buffers")
+        if self.multi_rank:
+            async_op = self.overlap and slot is not None
+            h = self.comm.all_reduce(flat, async_op=async_op)
+            item = (h, flat, (lo, hi))
+            if async_op:
+                self._pending.append((slot, item))
+            else:
+                self._finish_12(item)
+        else:
+            a = lo
+            while a < hi:
+                owner = a // self.part_n
+                b = min(hi, (owner + 1) * self.part_n)
+                self.comm.reduce(flat[a - lo:b - lo], dst=owner)
+                if owner == self.rank:
+                    self._accumulate_owned(flat[a - lo:b - lo], a, b)
+                a = b
+
+    def _wait_slot(self, slot: int) -> None:
+        keep = []
+        for s, item in self._pending:
+            if s == slot:
+                self._finish_12(item)
+            else:
+                keep.append((s, item))
+        self._pending = keep
+
+    def _drain(self) -> None:
+        for _, item in self._pending:
+            self._finish_12(item)
+        self._pending = []
+
+    def _finish_12(self, item: tuple) -> None:
+        h, flat, (lo, hi) = item
+        if h is not None:
+            h.wait()
+        own = self._owned(lo, hi)
+        if own is not None:
+            a, b = own
+            self._accumulate_owned(flat[a - lo:b - lo], a, b)
+
+    def _accumulate_owned(self, reduced: Any, a: int, b: int) -> None:
+        """Averaged gradient slice [a, b) (flat coordinates) into this rank's partition."""
+        reduced.div_(self.n)
+        if self.stage == 1:
+            self.flat_grad[a:b].copy_(reduced)
+        else:
+            self._grad_part()[a - self.part_lo:b - self.part_lo].add_(reduced)
+
+    def _reduce_all_12(self, source: Any) -> None:
+        """Reduce every bucket in canonical order (stage 1 at the boundary, stage 2 paper)."""
+        if not self.ds:
+            self._paper_reduce_scatter_12(source)
+            return
+        self._alloc_ipg(2 if self.overlap else 1)
+        self._ipg_slot = 0
+        for k in range(len(self.buckets)):
+            self._reduce_bucket_12(k, source)
+        self._drain()
+        self._free_ipg()
+
+    def _paper_reduce_scatter_12(self, source_flat: Any) -> None:
+        """Partition-aligned reduce-scatter buckets (see the module docstring)."""
+        torch = self.torch
+        n, part = self.n, self.part_n
+        c = max(1, self.rbs // n)
+        for start in range(0, part, c):
+            w = min(c, part - start)
+            buf = self._empty(n * w, "buffers")
+            for r in range(n):
+                self._copy_flat_range(buf[r * w:(r + 1) * w], r * part + start, r * part + start + w, source_flat)
+            out = self._empty(w, "buffers")
+            self.comm.reduce_scatter(out, buf)
+            a = self.part_lo + start
+            self._accumulate_owned(out, a, a + w)
+            del buf, out
+
+    def _copy_flat_range(self, dst: Any, lo: int, hi: int, source: Any) -> None:
+        """dst <- flat gradient elements [lo, hi) (zeros in the padding)."""
+        if isinstance(source, self.torch.Tensor):
+            end = min(hi, self.psi)
+            if end > lo:
+                dst[:end - lo].copy_(source[lo:end])
+            if hi > max(lo, end):
+                dst[max(lo, end) - lo:].zero_()
+            return
+        dst.zero_()
+        for i, (off, k) in enumerate(zip(self.offsets, self.numels)):
+            a, b = max(lo, off), min(hi, off + k)
+            if a < b:
+                dst[a - lo:b - lo].copy_(source(i)[a - off:b - off])
+
+    # ------------------------------------------------------------------ grad hooks (stages 2, 3)
+    def _install_grad_hooks(self) -> None:
+        self._ready = [False] * len(self.params)
+        self._order = self._ready_order()
+        self._pos = {i: k for k, i in enumerate(self._order)}
+        self._ptr = 0
+        self._bucket_of = {}
+        for k, (_, _, ps) in enumerate(self.buckets):
+            for i in ps:
+                self._bucket_of[i] = k
+        self._last_in_bucket = {ps[-1]: k for k, (_, _, ps) in enumerate(self.buckets)}
+        for i, p in enumerate(self.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i)))
+
+    def _grad_ready(self, i: int) -> None:
+        self._ready[i] = True
+        order = self._order
+        while self._ptr < len(order) and self._ready[order[self._ptr]]:
+            j = order[self._ptr]
+            self._ptr += 1
+            if j in self._last_in_bucket:
+                self._flush_bucket(self._last_in_bucket[j])
+
+    def _begin_backward_hooks(self) -> None:
+        self._ready = [False] * len(self.params)
+        self._ptr = 0
+
+    def _flush_bucket(self, k: int) -> None:
+        if self.stage == 3:
+            self._flush_bucket_3(k)
+            return
+        _, _, ps = self.buckets[k]
+        self._reduce_bucket_12(k, lambda i: self.params[i].grad.reshape(-1))
+        for i in ps:
+            self.params[i].grad = None
+
+    # ------------------------------------------------------------------ stage 3
+    def _setup3(self) -> None:
+        torch = self.torch
+        n = self.n
+        thr = int(_get(self.zero, "param_persistence_threshold", 100_000))
+        cap = int(_get(self.zero, "model_persistence_threshold", 2**63))
+        used = 0
+        self.persistent = []
+        for k in self.numels:
+            pers = k <= thr and used + k <= cap
+            if pers:
+                used += k
+            self.persistent.append(pers)
+        self.chunk = [ceil_div(k, n) for k in self.numels]  # p̂/N per param
+        self.part_n = sum(self.chunk)
+        self.part_offsets = []
+        off = 0
+        for c in self.chunk:
+            self.part_offsets.append(off)
+            off += c
+        self.lp = self._empty(self.part_n, "params", zero=True)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                c = self.chunk[i]
+                full = torch.zeros(c * n, dtype=self.dtype, device=self.device)
+                full[:self.numels[i]].copy_(p.detach().reshape(-1))
+                self.lp[self.part_offsets[i]:self.part_offsets[i] + c].copy_(full[self.rank * c:(self.rank + 1) * c])
+                del full
+        self.master, self.m, self.v = self._opt_state(self.lp)
+        if self.offload:
+            self.grad32_host = self._tag(torch.zeros(self.part_n, dtype=torch.float32, device=self.host),
+                                         "optimizer_states", host=True)
+        self.grad_part = self._empty(self.part_n, "gradients", zero=True)
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if self.persistent[i]:
+                    full = p.detach().clone()
+                    p.data = self._tag(full, "params")
+                else:
+                    p.data = self._placeholder
+        # gather units: (unit name, [param indices of non-persistent params])
+        idx_of = {id(p): i for i, p in enumerate(self.params)}
+        self.unit_params: list[list[int]] = []
+        self.unit_names: list[str] = []
+        unit_of_param: dict[int, int] = {}
+        for name, _mod, ps in self.units:
+            gathered = [idx_of[id(p)] for _, p in ps if not self.persistent[idx_of[id(p)]]]
+            if gathered:
+                for i in gathered:
+                    unit_of_param[i] = len(self.unit_params)
+                self.unit_names.append(name)
+                self.unit_params.append(gathered)
+        gathered_numel = [sum(self.chunk[i] * n for i in ps) for ps in self.unit_params]
+        reuse = int(_get(self.zero, "max_reuse_distance", 1_000_000_000))
+        after = 0
+        self.unit_kept = [False] * len(self.unit_params)
+        for u in range(len(self.unit_params) - 1, -1, -1):
+            self.unit_kept[u] = self.ds and 2 * after <= reuse
+            after += gathered_numel[u]
+        self.unit_live = [False] * len(self.unit_params)
+        self.unit_pending = [0] * len(self.unit_params)  # grads not yet reduced this backward
+        # use-sites: modules whose forward reads a unit's params
+        self.sites: dict[int, list[int]] = {}
+        for mod in self.model.modules():
+            us = set()
+            for p in mod.parameters(recurse=False):
+                u = unit_of_param.get(idx_of.get(id(p), -1))
+                if u is not None:
+                    us.add(u)
+            src = getattr(mod, "_source", None)
+            if src is not None:
+                for p in src.parameters(recurse=False):
+                    u = unit_of_param.get(idx_of.get(id(p), -1))
+                    if u is not None:
+                        us.add(u)
+            if us:
+                self.sites[id(mod)] = sorted(us)
+                self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(mod.register_forward_hook(self._post_forward))
+        self.unit_uses = [0] * len(self.unit_params)
+        for us in self.sites.values():
+            for u in us:
+                self.unit_uses[u] += 1
+        self.unit_seen = [0] * len(self.unit_params)
+        self.unit_of_param = unit_of_param
+        # reduce-scatter buckets over padded sizes, canonical order
+        order = self._ready_order()
+        self.buckets = []
+        for idx in greedy_buckets([self.chunk[i] * n for i in order], self.rbs):
+            self.buckets.append((0, 0, [order[k] for k in idx]))
+        self.ipg = [self._empty(self.rbs, "buffers")] if self.contiguous else []
+        self._install_grad_hooks()
+
+    # forward / backward hooks
+    def _pre_forward(self, mod: Any, args: Any) -> None:
+        for u in self.sites[id(mod)]:
+            if not self.unit_live[u]:
+                self._gather_unit(u)
+
+    def _post_forward(self, mod: Any, args: Any, out: Any) -> Any:
+        us = self.sites[id(mod)]
+        for u in us:
+            self.unit_seen[u] += 1
+            if self.unit_seen[u] == self.unit_uses[u] and not self.unit_kept[u]:
+                self._release_unit(u)
+        torch = self.torch
+        if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+            return _PreBackward.apply(self, tuple(us), out)
+        return out
+
+    def _pre_backward(self, units: tuple[int, ...]) -> None:
+        with self.comm.in_phase("backward"):
+            for u in units:
+                if not self.unit_live[u]:
+                    self._gather_unit(u)
+
+    def _gather_unit(self, u: int) -> None:
+        torch = self.torch
+        n = self.n
+        ps = self.unit_params[u]
+        with torch.no_grad():
+            if len(ps) == 1:
+                i = ps[0]
+                c = self.chunk[i]
+                out = self._empty(c * n, "buffers")
+                self.comm.all_gather(out, self.lp[self.part_offsets[i]:self.part_offsets[i] + c])
+                self.params[i].data = out[:self.numels[i]].view(self.shapes[i])
+            else:
+                width = sum(self.chunk[i] for i in ps)
+                inp = self._tag(torch.cat([self.lp[self.part_offsets[i]:self.part_offsets[i] + self.chunk[i]]
+                                           for i in ps]), "buffers")
+                out = self._empty(width * n, "buffers")
+                self.comm.all_gather(out, inp)
+                grid = out.view(n, width)
+                col = 0
+                for i in ps:
+                    c = self.chunk[i]
+                    full = self._tag(grid[:, col:col + c].reshape(-1), "buffers")  # a copy (non-contiguous)
+                    self.params[i].data = full[:self.numels[i]].view(self.shapes[i])
+                    col += c
+                del inp, out, grid
+        self.unit_live[u] = True
+
+    def _release_unit(self, u: int) -> None:
+        for i in self.unit_params[u]:
+            self.params[i].data = self._placeholder
+        self.unit_live[u] = False
+
+    def _flush_bucket_3(self, k: int) -> None:
+        torch = self.torch
+        n = self.n
+        _, _, ps = self.buckets[k]
+        widths = [self.chunk[i] for i in ps]
+        total = sum(widths) * n
+        with torch.no_grad():
+            if self.contiguous and total <= self.rbs:
+                buf = self.ipg[0][:total]
+                pos = 0
+                for i in ps:
+                    seg = buf[pos:pos + self.chunk[i] * n]
+                    seg[:self.numels[i]].copy_(self.params[i].grad.reshape(-1))
+                    seg[self.numels[i]:].zero_()
+                    pos += self.chunk[i] * n
+                pieces = []
+                pos = 0
+                for i in ps:
+                    pieces.append(buf[pos:pos + self.chunk[i] * n].view(n, self.chunk[i]))
+                    pos += self.chunk[i] * n
+                inter = self._tag(torch.cat(pieces, dim=1).reshape(-1), "buffers")  # rank-major copy
+            else:
+                pieces = []
+                for i in ps:
+                    g = self.params[i].grad.reshape(-1)
+                    pad = self.chunk[i] * n - self.numels[i]
+                    pieces.append((torch.nn.functional.pad(g, (0, pad)) if pad else g).view(n, self.chunk[i]))
+                inter = self._tag(torch.cat(pieces, dim=1).reshape(-1), "buffers")
+            for i in ps:
+                self.params[i].grad = None
+            out = self._empty(total // n, "buffers")
+            self.comm.reduce_scatter(out, inter)
+            del inter
+            out.div_(n)
+            col = 0
+            for i in ps:
+                c = self.chunk[i]
+                self.grad_part[self.part_offsets[i]:self.part_offsets[i] + c].add_(out[col:col + c])
+                col += c
+        for i in ps:
+            u = self.unit_of_param.get(i)
+            if u is not None:
+                self.unit_pending[u] -= 1
+                if self.unit_pending[u] == 0 and self.unit_live[u]:
+                    self._release_unit(u)
+
+    # ------------------------------------------------------------------ training step
+    def train_step(self, batches: list[Any]) -> StepResult:
+        """One optimizer step over ``len(batches)`` (= grad_accum) micro-batches of input ids."""
+        torch = self.torch
+        if len(batches) != self.grad_accum:
+            raise ValueError(f"train_step: got {len(batches)} micro-batches, grad_accum is {self.grad_accum}")
+        total_loss = 0.0
+        for mb in batches:
+            self.meter.phase = "forward"
+            self.comm.phase = "forward"
+            if self.stage == 3:
+                self.unit_seen = [0] * len(self.unit_params)
+            loss = self.model(mb)
+            self.meter.phase = "backward"
+            self.comm.phase = "backward"
+            self._before_backward()
+            (loss / self.grad_accum).backward()
+            total_loss += _scalar(loss)
+            del loss
+            self._after_backward()
+            self.micro_step += 1
+        self._boundary()
+        self.meter.phase = "step"
+        self.comm.phase = "step"
+        states = self._model_state_snapshot()
+        self._optimizer_step()
+        self.step_count += 1
+        self.meter.phase = "forward"
+        self.comm.phase = "forward"
+        return StepResult(loss=total_loss / len(batches), model_states=states)
+
+    def _model_state_snapshot(self) -> dict[str, int]:
+        cur = self.meter.current_by_category()
+        return {k: cur.get(k, 0) for k in ("params", "gradients", "optimizer_states")}
+
+    def _before_backward(self) -> None:
+        if self.stage == 0:
+            self._attach_flat_grads(self.psi)
+        elif self.stage == 1:
+            self._attach_flat_grads(self.padded)
+        elif self.stage == 2 and self.ds:
+            self._alloc_ipg(2 if self.overlap else 1)
+            self._ipg_slot = 0
+            self._begin_backward_hooks()
+        elif self.stage == 3:
+            self._begin_backward_hooks()
+            self.unit_pending = [len(ps) for ps in self.unit_params]
+
+    def _after_backward(self) -> None:
+        if self.stage == 2:
+            if self.ds:
+                if self._ptr != len(self.params):
+                    raise RuntimeError("stage 2: some parameters received no gradient in backward")
+                self._drain()
+                self._free_ipg()
+            else:
+                self._paper_reduce_scatter_12(lambda i: self.params[i].grad.reshape(-1))
+                for p in self.params:
+                    p.grad = None
+        elif self.stage == 3:
+            if self._ptr != len(self.params):
+                raise RuntimeError("stage 3: some parameters received no gradient in backward")
+            for u in range(len(self.unit_params)):
+                if self.unit_live[u]:
+                    self._release_unit(u)
+
+    def _boundary(self) -> None:
+        """Gradient reduction once per optimizer step (stages 0 and 1)."""
+        torch = self.torch
+        if self.stage == 0:
+            with torch.no_grad():
+                for lo, hi, ps in self.buckets:
+                    flat = self._tag(self.flat_grad[lo:hi].clone(), "buffers")  # flatten copy
+                    self.comm.all_reduce(flat)
+                    flat.div_(self.n)
+                    self.flat_grad[lo:hi].copy_(flat)
+                    del flat
+        elif self.stage == 1:
+            with torch.no_grad():
+                fg = self.flat_grad
+                self._reduce_all_12(fg if not self.ds else (lambda i: fg[self.offsets[i]:self.offsets[i] + self.numels[i]]))
+
+    # ------------------------------------------------------------------ the optimizer step
+    def _adamw(self, master: Any, m: Any, v: Any, g32: Any) -> None:
+        b1, b2 = self.betas
+        t = self.step_count + 1
+        if self.wd:
+            master.mul_(1 - self.lr * self.wd)
+        m.mul_(b1).add_(g32, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g32, g32, value=1 - b2)
+        denom = v.sqrt()  # the one fp32 temporary of the group's size
+        denom.div_(math.sqrt(1 - b2 ** t)).add_(self.eps)
+        master.addcdiv_(m, denom, value=-self.lr / (1 - b1 ** t))
+        del denom
+
+    def _optimizer_step(self) -> None:
+        torch = self.torch
+        with torch.no_grad():
+            if self.stage == 0:
+                g = self.flat_grad
+                g32 = self._tag(g.float(), "buffers") if g.dtype != torch.float32 else g
+                self._adamw(self.master, self.m, self.v, g32)
+                del g32
+                self.flat_param.copy_(self.master)
+                self._free_flat_grads()
+                return
+            if self.stage in (1, 2):
+                if self.stage == 1:
+                    src = self.flat_grad[self.part_lo:self.part_lo + self.part_n]
+                else:
+                    src = self._grad_part()
+                self._step_group(src, self.master, self.m, self.v,
+                                 self.flat_param[self.part_lo:self.part_lo + self.part_n], 0)
+                del src
+                if self.ds:
+                    flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
+                    self.comm.all_reduce(flag, op="max")
+                    norm = self._norm_sq.reshape(1).to(device=self.device, dtype=torch.float32)
+                    self.comm.all_reduce(norm)
+                lo = self.part_lo
+                self.comm.all_gather(self.flat_param, self.flat_param[lo:lo + self.part_n])
+                if self.stage == 1:
+                    self._free_flat_grads()
+                else:
+                    self.grad_part = None
+                return
+            # stage 3: sub-groups of the partition
+            sgs = int(_get(self.zero, "sub_group_size", 1_000_000_000))
+            groups = []
+            start = cur = 0
+            for c in self.chunk:
+                cur += c
+                if cur - start >= sgs:
+                    groups.append((start, cur))
+                    start = cur
+            if cur > start:
+                groups.append((start, cur))
+            norm_sq = torch.zeros((), dtype=torch.float64)
+            for a, b in groups:
+                self._step_group(self.grad_part[a:b], self.master[a:b], self.m[a:b], self.v[a:b], self.lp[a:b], a)
+                norm_sq = norm_sq + self._norm_sq.cpu()
+            self.grad_part.zero_()
+            for i, p in enumerate(self.params):
+                if self.persistent[i]:
+                    c = self.chunk[i]
+                    out = self._empty(c * self.n, "buffers")
+                    self.comm.all_gather(out, self.lp[self.part_offsets[i]:self.part_offsets[i] + c])
+                    p.data.copy_(out[:self.numels[i]].view(self.shapes[i]))
+                    del out
+            if self.ds:
+                norm = norm_sq.reshape(1).to(self.device)
+                self.comm.all_reduce(norm)
+
+    def _step_group(self, grad16: Any, master: Any, m: Any, v: Any, lp_out: Any, offset: int) -> None:
+        """AdamW on one group: flatten copy + fp32 gradient transients, then write back bit16 values."""
+        torch = self.torch
+        flat = self._tag(grad16.clone(), "buffers")  # DeepSpeed's flatten of the averaged gradients
+        if self.offload:
+            g32 = self.grad32_host[offset:offset + flat.numel()]
+            g32.copy_(flat)
+            del flat
+        else:
+            g32 = self._tag(flat.float(), "buffers") if flat.dtype != torch.float32 else flat
+        self._norm_sq = torch.dot(g32, g32).to(torch.float64) if g32.numel() else torch.zeros((), dtype=torch.float64)
+        self._adamw(master, m, v, g32)
+        del g32
+        lp_out.copy_(master.to(lp_out.device) if master.device != lp_out.device else master)
+
+    def close(self) -> None:
+        """Remove the hooks the engine installed on the model."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _scalar(t: Any) -> float:
+    """float(t), or NaN for a fake tensor (simulated runs have no values)."""
+    try:
+        return float(t.detach())
+    except Exception:  # noqa: BLE001 - FakeTensor has no data
+        return float("nan")
+
+
+def _make_pre_backward():
+    import torch
+
+    class PreBackward(torch.autograd.Function):
+        """Identity in forward; in backward re-gathers the module's units before its gradients run."""
+
+        @staticmethod
+        def forward(ctx, engine, units, out):  # type: ignore[override]
+            ctx.engine = engine
+            ctx.units = units
+            return out.view_as(out)
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            ctx.engine._pre_backward(ctx.units)
+            return None, None, grad
+
+    return PreBackward
+
+
+class _LazyPreBackward:
+    _cls = None
+
+    def apply(self, *args: Any) -> Any:
+        if self._cls is None:
+            type(self)._cls = _make_pre_backward()
+        return self._cls.apply(*args)
+
+
+_PreBackward = _LazyPreBackward()

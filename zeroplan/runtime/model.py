@@ -1,0 +1,396 @@
+"""Build a trainable torch module whose parameters are exactly ``ModelSpec.tensors``.
+
+``build_model(spec, dtype, device)`` returns a module tree with one small "holder" module per
+owning module of the spec (``ParamTensor.module``), parameters named and shaped exactly as in
+the spec (tied tensors share one ``Parameter``), and a real ``forward(input_ids) -> loss``
+(causal-LM cross-entropy, mean over tokens) that uses every parameter by its role:
+
+- embed (+ pos_embed), per layer: norm(s), attention (separate q/k/v or fused qkv split as
+  [q | k | v]; GQA by repeating kv heads; causal ``scaled_dot_product_attention``), o-proj,
+  MLP (gated or not, fused gate_up), MoE (router softmax + top-k experts), residual — parallel
+  (attention and MLP both read the block input) for gpt_neox / falcon / phi / gptj, else
+  sequential — then the final norm and the lm head.
+- Rotary position embeddings have no parameters and are omitted: this model exists to move
+  the right bytes (parameters, gradients, activations of the right shapes), not to reproduce
+  a checkpoint's outputs. Norms are LayerNorm when the norm owns a bias or the family uses
+  LayerNorm (gpt2, gpt_neox, falcon, phi), RMSNorm otherwise.
+- Every holder module is *called* (``module(x)``), so forward pre/post hooks see every module
+  in forward order (the ZeRO-3 engine gathers parameters from those hooks). An MoE expert
+  that receives no token is still called on an empty batch, so it is gathered and gets a
+  (zero) gradient like in a dense pass.
+
+Conventions: shapes are element counts; ``numel`` sums are parameters (elements), not bytes.
+Initialisation is deterministic for a seed: weights N(0, 0.02), norm weights 1, biases 0.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from zeroplan.specs.model import ModelSpec, ParamTensor
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["build_model", "ZeroModel", "param_units", "LAYERNORM_FAMILIES", "PARALLEL_FAMILIES"]
+
+LAYERNORM_FAMILIES = ("gpt2", "gpt_neox", "falcon", "phi", "gptj", "opt", "bloom")
+PARALLEL_FAMILIES = ("gpt_neox", "falcon", "phi", "gptj")
+_CONV1D_FAMILIES = ("gpt2",)  # HF Conv1D: weight [in, out]
+
+
+def _local_name(t: ParamTensor) -> str:
+    prefix = t.module + "."
+    if not t.name.startswith(prefix):
+        raise ValueError(f"tensor {t.name!r} is not directly owned by module {t.module!r}")
+    local = t.name[len(prefix):]
+    if "." in local:
+        raise ValueError(f"tensor {t.name!r}: expected '<module>.<param>', got nested name {local!r}")
+    return local
+
+
+def _make_classes():
+    """Define the torch module classes lazily (torch is imported only on runtime paths)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class _Linear(torch.autograd.Function):
+        """y = x·Wᵀ + b (``conv1d``: x·W + b) saving the Parameter itself, never a view of it.
+
+        ZeRO-3 swaps ``param.data`` between a placeholder and the gathered tensor; autograd
+        must find the re-gathered data at backward time, which holds for a saved leaf but not
+        for a saved ``weight.t()`` view (it would keep the released buffer alive instead).
+        """
+
+        @staticmethod
+        def forward(ctx, x, w, b, conv1d):  # type: ignore[override]
+            ctx.save_for_backward(x, w)
+            ctx.has_bias = b is not None
+            ctx.conv1d = conv1d
+            y = x @ w if conv1d else F.linear(x, w)
+            return y + b if b is not None else y
+
+        @staticmethod
+        def backward(ctx, go):  # type: ignore[override]
+            x, w = ctx.saved_tensors
+            go2 = go.reshape(-1, go.shape[-1])
+            x2 = x.reshape(-1, x.shape[-1])
+            if ctx.conv1d:
+                gx = go @ w.t()
+                gw = x2.t() @ go2
+            else:
+                gx = go @ w
+                gw = go2.t() @ x2
+            gb = go2.sum(0) if ctx.has_bias else None
+            return gx, gw, gb, None
+
+    class Holder(nn.Module):
+        """Owns the parameters of one spec module; ``forward`` applies them by ``kind``."""
+
+        def __init__(self, kind: str, conv1d: bool = False, layernorm: bool = False, eps: float = 1e-5):
+            super().__init__()
+            self.kind = kind
+            self.conv1d = conv1d
+            self.layernorm = layernorm
+            self.eps = eps
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            k = self.kind
+            w = self.weight
+            b = getattr(self, "bias", None)
+            if k in ("embed", "pos_embed"):
+                return F.embedding(x, w)
+            if k == "norm":
+                if self.layernorm:
+                    return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+                var = x.float().pow(2).mean(-1, keepdim=True)
+                return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * w
+            return _Linear.apply(x, w, b, self.conv1d)  # linear-like roles
+
+    class TiedHead(nn.Module):
+        """The lm head of a tied model: uses the embedding's Parameter (no parameter of its own).
+
+        The shared Parameter is held in a plain attribute, so ``parameters()`` lists it once
+        (owned by the embedding module), as DeepSpeed and ``ModelSpec.tensors`` count it.
+        """
+
+        def __init__(self, source: nn.Module):
+            super().__init__()
+            self.__dict__["_source"] = source  # not a submodule
+
+        @property
+        def weight(self) -> torch.Tensor:
+            return self._source.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _Linear.apply(x, self._source.weight, None, False)
+
+    return torch, F, nn, Holder, TiedHead
+
+
+def param_units(model: Any) -> list[tuple[str, Any, list[tuple[str, Any]]]]:
+    """The gather units of a module tree, in forward order: (module name, module, [(param name, param)]).
+
+    A unit is a module that directly owns parameters; a shared Parameter belongs to the first
+    module that registers it. For a ``ZeroModel`` the order is the spec's tensor order.
+    """
+    if hasattr(model, "zero_units"):
+        return model.zero_units
+    seen: set[int] = set()
+    units = []
+    for mname, mod in model.named_modules():
+        own = []
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            own.append((f"{mname}.{pname}" if mname else pname, p))
+        if own:
+            units.append((mname, mod, own))
+    return units
+
+
+def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed: int = 0,
+                check_count: bool = True) -> "ZeroModel":
+    """A ``ZeroModel`` with parameters exactly ``spec.tensors`` (names, shapes, ties), on ``device``.
+
+    ``dtype``: a torch dtype or "fp32"/"bf16"/"fp16". Raises ``ValueError`` when the spec has no
+    tensors or (``check_count``, non-approximate specs) Σ numel != ``spec.params``.
+    """
+    torch, F, nn, Holder, TiedHead = _make_classes()
+    dtype = _resolve_dtype(torch, dtype)
+    if not spec.tensors:
+        raise ValueError(f"model spec {spec.name!r} has no parameter inventory (tensors) to build")
+
+    class ZeroModelImpl(nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return _forward(self, torch, F, input_ids)
+
+    root = ZeroModelImpl()
+    root.spec_name = spec.name
+    root.model_type = spec.model_type
+    root.n_heads = spec.num_attention_heads
+    root.n_kv = spec.num_key_value_heads or spec.num_attention_heads
+    root.head_dim = spec.head_dim
+    root.experts_per_token = spec.experts_per_token or 1
+    root.parallel = spec.model_type in PARALLEL_FAMILIES
+    conv1d = spec.model_type in _CONV1D_FAMILIES
+    layernorm_family = spec.model_type in LAYERNORM_FAMILIES
+    eps = float(spec.hf_config.get("rms_norm_eps", spec.hf_config.get("layer_norm_epsilon",
+                                   spec.hf_config.get("layer_norm_eps", 1e-5))))
+
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    modules: dict[str, nn.Module] = {"": root}
+    by_name: dict[str, Any] = {}
+    holders: dict[str, Any] = {}
+    order: list[tuple[str, Any, str]] = []  # (holder module name, holder, role) in first-use order
+
+    def ensure(path: str) -> nn.Module:
+        if path in modules:
+            return modules[path]
+        parent_path, _, leaf = path.rpartition(".")
+        parent = ensure(parent_path)
+        mod = nn.Module()
+        parent.add_module(leaf, mod)
+        modules[path] = mod
+        return mod
+
+    bias_names = {t.module for t in spec.tensors if t.name.endswith(".bias")}
+    units: dict[str, list] = {}
+    for t in spec.tensors:
+        local = _local_name(t)
+        if t.module in holders:
+            holder = holders[t.module]
+        else:
+            parent_path, _, leaf = t.module.rpartition(".")
+            if t.tied_to is not None:
+                src_t = by_name.get(t.tied_to)
+                if src_t is None:
+                    raise ValueError(f"tensor {t.name!r} is tied to {t.tied_to!r}, which comes later or is missing")
+                holder = TiedHead(holders[_owner_of(spec, t.tied_to)])
+            else:
+                holder = Holder(t.role, conv1d=conv1d and t.role not in ("embed", "pos_embed", "norm", "lm_head"),
+                                layernorm=t.role == "norm" and (layernorm_family or t.module in bias_names), eps=eps)
+            parent = ensure(parent_path) if parent_path else root
+            parent.add_module(leaf, holder)
+            modules[t.module] = holder
+            holders[t.module] = holder
+            holder.spec_role = t.role if not t.name.endswith(".bias") else t.role
+            holder.layer = t.layer
+            holder.expert = t.expert
+            order.append((t.module, holder, t.role))
+        if t.tied_to is not None:
+            by_name[t.name] = by_name[t.tied_to]
+            continue
+        if local == "bias" or t.role == "norm" and local != "weight":
+            data = torch.zeros(t.shape, dtype=torch.float32) if local == "bias" else torch.ones(t.shape)
+        elif t.role == "norm":
+            data = torch.ones(t.shape, dtype=torch.float32)
+        else:
+            data = torch.empty(t.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+        p = nn.Parameter(data.to(device=device, dtype=dtype))
+        holder.register_parameter(local, p)
+        by_name[t.name] = p
+        units.setdefault(t.module, []).append((t.name, p))
+
+    root.zero_units = [(m, holders[m], ps) for m, ps in units.items()]
+    root.zero_order = order
+    root.zero_params = [(n, p) for _, _, ps in root.zero_units for n, p in ps]
+    _plan_forward(root, spec, order)
+    total = sum(p.numel() for p in root.parameters())
+    if check_count and not spec.approximate and total != spec.params:
+        raise ValueError(f"model {spec.name!r}: built {total} parameters, the spec says {spec.params}")
+    return root
+
+
+ZeroModel = Any  # the class is created lazily in build_model (torch-free import of this module)
+
+
+def _owner_of(spec: ModelSpec, name: str) -> str:
+    for t in spec.tensors:
+        if t.name == name:
+            return t.module
+    raise ValueError(f"tied tensor {name!r} not found")
+
+
+def _resolve_dtype(torch: Any, dtype: Any) -> Any:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+        if dtype not in table:
+            raise ValueError(f"dtype {dtype!r}: expected fp32, bf16 or fp16")
+        return table[dtype]
+    return dtype
+
+
+def _plan_forward(root: Any, spec: ModelSpec, order: list) -> None:
+    """Group holder modules by role into a static execution plan (stored on the root)."""
+    pre: dict[str, Any] = {}
+    layers: dict[int, dict[str, Any]] = {}
+    post_norms: list[Any] = []
+    head = None
+    for mname, holder, role in order:
+        if holder.layer is None:
+            if role == "embed":
+                pre["embed"] = holder
+            elif role == "pos_embed":
+                pre["pos"] = holder
+            elif role == "norm":
+                if "embed" in pre and head is None:
+                    post_norms.append(holder)
+            elif role == "lm_head":
+                head = holder
+            else:
+                raise ValueError(f"module {mname!r}: role {role!r} outside a layer is not supported")
+            continue
+        lay = layers.setdefault(holder.layer, {"norms": [], "qk_norms": [], "experts": {}})
+        if role == "norm":
+            shape = holder.weight.shape
+            if shape[-1] == spec.head_dim and spec.head_dim != spec.hidden_size:
+                lay["qk_norms"].append(holder)
+            else:
+                lay["norms"].append(holder)
+        elif holder.expert is not None:
+            lay["experts"].setdefault(holder.expert, {})[role] = holder
+        else:
+            if role in lay:
+                raise ValueError(f"layer {holder.layer}: two modules with role {role!r}")
+            lay[role] = holder
+    if "embed" not in pre or head is None:
+        raise ValueError(f"model {spec.name!r}: the runtime needs an 'embed' and an 'lm_head' tensor")
+    root.plan_pre = pre
+    root.plan_layers = [layers[k] for k in sorted(layers)]
+    root.plan_post_norms = post_norms
+    root.__dict__["plan_head"] = head  # not a submodule: the holder is registered under its own name
+
+
+def _mlp(lay: dict, x: Any, F: Any, gated: bool | None = None) -> Any:
+    if "mlp_gate_up" in lay:
+        gu = lay["mlp_gate_up"](x)
+        g, u = gu.chunk(2, dim=-1)
+        return lay["mlp_down"](F.silu(g) * u)
+    if "mlp_gate" in lay:
+        return lay["mlp_down"](F.silu(lay["mlp_gate"](x)) * lay["mlp_up"](x))
+    return lay["mlp_down"](F.gelu(lay["mlp_up"](x)))
+
+
+def _moe(root: Any, lay: dict, x: Any, torch: Any, F: Any) -> Any:
+    b, s, h = x.shape
+    flat = x.reshape(b * s, h)
+    logits = lay["router"](flat)
+    probs = F.softmax(logits.float(), dim=-1)
+    k = min(root.experts_per_token, probs.shape[-1])
+    weights, chosen = torch.topk(probs, k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    out = torch.zeros_like(flat)
+    for e in sorted(lay["experts"]):
+        ex = lay["experts"][e]
+        tok, slot = (chosen == e).nonzero(as_tuple=True)
+        xe = flat.index_select(0, tok)
+        if "expert_gate" in ex:
+            ye = ex["expert_down"](F.silu(ex["expert_gate"](xe)) * ex["expert_up"](xe))
+        else:
+            ye = ex["expert_down"](F.gelu(ex["expert_up"](xe)))
+        out = out.index_add(0, tok, ye * weights[tok, slot].unsqueeze(-1))
+    return out.reshape(b, s, h)
+
+
+def _attention(root: Any, lay: dict, x: Any, torch: Any, F: Any) -> Any:
+    b, s, _ = x.shape
+    hd, nh, nkv = root.head_dim, root.n_heads, root.n_kv
+    if "attn_qkv" in lay:
+        qkv = lay["attn_qkv"](x)
+        width = qkv.shape[-1]
+        if width == (nh + 2 * nkv) * hd:
+            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        else:
+            q, k, v = qkv.chunk(3, dim=-1)
+            nh = nkv = q.shape[-1] // hd
+    else:
+        q, k, v = lay["attn_q"](x), lay["attn_k"](x), lay["attn_v"](x)
+    q = q.reshape(b, s, -1, hd).transpose(1, 2)
+    k = k.reshape(b, s, -1, hd).transpose(1, 2)
+    v = v.reshape(b, s, -1, hd).transpose(1, 2)
+    if lay["qk_norms"]:
+        q = lay["qk_norms"][0](q)
+        if len(lay["qk_norms"]) > 1:
+            k = lay["qk_norms"][1](k)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o = o.transpose(1, 2).reshape(b, s, -1)
+    return lay["attn_o"](o)
+
+
+def _forward(root: Any, torch: Any, F: Any, input_ids: Any) -> Any:
+    pre = root.plan_pre
+    x = pre["embed"](input_ids)
+    if "pos" in pre:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = x + pre["pos"](pos).unsqueeze(0)
+    for lay in root.plan_layers:
+        norms = lay["norms"]
+        mlp = (lambda h: _moe(root, lay, h, torch, F)) if lay["experts"] else (lambda h: _mlp(lay, h, F))
+        if root.parallel:
+            a_in = norms[0](x) if norms else x
+            m_in = norms[1](x) if len(norms) > 1 else a_in
+            x = x + _attention(root, lay, a_in, torch, F) + mlp(m_in)
+        elif len(norms) >= 4:  # pre + post norms around both sub-layers (gemma2-style)
+            x = x + norms[1](_attention(root, lay, norms[0](x), torch, F))
+            x = x + norms[3](mlp(norms[2](x)))
+        else:
+            h = norms[0](x) if norms else x
+            x = x + _attention(root, lay, h, torch, F)
+            h = norms[1](x) if len(norms) > 1 else x
+            x = x + mlp(h)
+    for norm in root.plan_post_norms:
+        x = norm(x)
+    logits = root.plan_head(x)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                           input_ids[:, 1:].reshape(-1))

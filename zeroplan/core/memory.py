@@ -364,15 +364,19 @@ def memory_for_stage(
     # ---- what sets the peak ----
     cats = phases[peak_phase].by_category
     top = max(cats, key=lambda c: cats[c])
-    reason = f"{top.replace('_', ' ')} ({cats[top] / 1e9:.2f} GB) dominate the {peak_phase} peak"
+    label = {"params": "parameters", "optimizer_states": "optimizer states"}.get(top, top)
+    reason = f"{label} ({cats[top] / 1e9:.2f} GB) dominate the {peak_phase} peak"
     gp = gather_f if peak_phase == "forward" else gather_b if peak_phase == "backward" else None
     if stage == 3 and gp is not None and gp.total_bytes > 0 and (top == "buffers" or gp.module_bytes >= 0.05 * live_peak):
         reason = (
             f"stage-3 gather of `{gp.module}` ({gp.transient_bytes / 1e9:.2f} GB in flight, "
             f"{gp.total_bytes / 1e9:.2f} GB gathered in all) during {gp.phase}; " + reason
         )
-    if off_opt == "none" and peak_phase == "step":
-        reason = f"the transient fp32 gradient partition ({buffers['step_fp32_grad'] / 1e9:.2f} GB) at the optimizer step; " + reason
+    if off_opt == "none" and peak_phase == "step" and step_buf:
+        reason = (
+            f"the optimizer step's transients (fp32 gradient copy {buffers['step_fp32_grad'] / 1e9:.2f} GB, "
+            f"optimizer temporaries {buffers['optimizer_temp'] / 1e9:.2f} GB) on top of the model states; " + reason
+        )
 
     return MemoryBreakdown(
         params=gpu_params,

@@ -480,3 +480,22 @@ def test_models_command_imports_no_torch():
             "m.load_model('llama-3.1-405b'); m.load_model('70B'); c.list_rows(); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_falcon_new_decoder_architecture():
+    # Falcon-40B layout: grouped kv heads in a fused qkv, ln_attn + ln_mlp, no biases, tied head.
+    cfg = {"model_type": "falcon", "hidden_size": 8192, "num_attention_heads": 128, "num_kv_heads": 8,
+           "num_hidden_layers": 60, "vocab_size": 65024, "new_decoder_architecture": True,
+           "parallel_attn": True, "bias": False}
+    s = spec_from_config(cfg, "falcon-40b-like", "test:inline")
+    hd = 64
+    layer = (128 + 2 * 8) * hd * 8192 + 8192 * 8192 + 2 * 8192 * 4 * 8192 + 4 * 8192
+    assert s.per_layer_params == layer
+    assert s.params == 60 * layer + 65024 * 8192 + 2 * 8192
+    names = {t.name for t in s.tensors if t.layer == 0}
+    assert "transformer.h.0.ln_attn.weight" in names and "transformer.h.0.ln_mlp.bias" in names
+    assert s.num_key_value_heads == 8
+    # n_layer / n_head / n_head_kv spellings (RefinedWeb-era configs) read the same
+    old = {**{k: v for k, v in cfg.items() if k not in ("num_hidden_layers", "num_attention_heads", "num_kv_heads")},
+           "n_layer": 60, "n_head": 128, "n_head_kv": 8}
+    assert spec_from_config(old, "x", "test:inline").params == s.params

@@ -747,7 +747,11 @@ def _load_path(p: Path) -> ModelSpec:
 
 
 def load_model(ref: str) -> ModelSpec:
-    """Catalog name, path to an HF config.json (or its directory), or a count such as 7B / 70e9 / 1.3T."""
+    """Catalog name, path to an HF config.json (or its directory), or a count such as 7B / 70e9 / 1.3T.
+
+    Catalog specs are parsed once per process and cached; each call returns a copy whose
+    lists/dicts may be mutated, but whose ParamTensor objects are shared (treat as read-only).
+    """
     if not isinstance(ref, str) or not ref.strip():
         raise InputError("model: empty reference, expected a catalog name, a config.json path or a count such as 7B")
     p = Path(ref).expanduser()

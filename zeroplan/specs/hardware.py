@@ -127,25 +127,27 @@ _UNIT_HINT = (
     "unidirectional: a 400 Gb/s NIC is 50 GB/s, and one NIC shared by 8 GPUs gives each 1/8)"
 )
 
-# path -> (low, high, unit, hint, allow_zero)
+# path -> (low, high, readable range, hint, allow_zero)
 _BOUNDS: dict[str, tuple[float, float, str, str, bool]] = {
-    "gpu.memory_bytes": (GiB, TiB, "bytes (1 GiB to 1 TiB)", "bytes, not GB or GiB?", False),
-    "gpu.peak_flops": (1e12, 1e16, "FLOP/s (1e12 to 1e16)", "FLOP/s, not TFLOP/s? 989 TFLOP/s = 989e12", False),
-    "gpu.hbm_bandwidth_GBps": (50, 20000, "GB/s", "GB/s, not TB/s? 3.35 TB/s = 3350 GB/s", False),
-    "node.gpus_per_node": (1, 72, "GPUs", "", False),
-    "node.host_ram_bytes": (GiB, 64 * TiB, "bytes (1 GiB to 64 TiB)", "bytes, not GB or GiB?", False),
-    "node.pcie_bandwidth_GBps_per_gpu": (1, 1000, "GB/s per GPU", "GB/s unidirectional per GPU; PCIe 4.0 x16 = ~32 GB/s", False),
-    "node.nvme_bandwidth_GBps": (0.1, 1000, "GB/s per node (0 = no NVMe)", "GB/s, not MB/s?", True),
-    "node.nvme_capacity_bytes": (GB, 10**16, "bytes per node (0 = no NVMe)", "bytes, not GB or TB?", True),
-    "node.cpu_cores": (1, 10000, "physical cores", "", False),
-    "intra_node.bandwidth_GBps_per_gpu": (0.01, 2000, "GB/s per GPU", _UNIT_HINT, False),
+    "gpu.memory_bytes": (GiB, TiB, "1 GiB to 1 TiB, in bytes", "bytes, not GB or GiB?", False),
+    "gpu.peak_flops": (1e12, 1e16, "1e12 to 1e16 FLOP/s", "FLOP/s, not TFLOP/s? 989 TFLOP/s = 989e12", False),
+    "gpu.hbm_bandwidth_GBps": (50, 20000, "50 to 20000 GB/s", "GB/s, not TB/s? 3.35 TB/s = 3350 GB/s", False),
+    "node.gpus_per_node": (1, 72, "1 to 72 GPUs", "", False),
+    "node.host_ram_bytes": (GiB, 64 * TiB, "1 GiB to 64 TiB, in bytes", "bytes, not GB or GiB?", False),
+    "node.pcie_bandwidth_GBps_per_gpu": (1, 1000, "1 to 1000 GB/s per GPU",
+                                         "GB/s unidirectional per GPU; PCIe 4.0 x16 = ~32 GB/s", False),
+    "node.nvme_bandwidth_GBps": (0.1, 1000, "0.1 to 1000 GB/s per node, or 0 for no NVMe", "GB/s, not MB/s?", True),
+    "node.nvme_capacity_bytes": (GB, 10**16, "1 GB to 10 PB per node in bytes, or 0 for no NVMe",
+                                 "bytes, not GB or TB?", True),
+    "node.cpu_cores": (1, 10000, "1 to 10000 physical cores", "", False),
+    "intra_node.bandwidth_GBps_per_gpu": (0.01, 2000, "0.01 to 2000 GB/s per GPU", _UNIT_HINT, False),
     # The fastest NICs today are 800 Gb/s = 100 GB/s per GPU; 200 leaves headroom and
     # rejects a per-node or Gb/s figure written as per-GPU GB/s (400, 1600, 3200).
-    "inter_node.bandwidth_GBps_per_gpu": (0.01, 200, "GB/s per GPU", _UNIT_HINT, False),
-    "intra_node.latency_us": (0.1, 1000, "microseconds", "microseconds, not seconds or ms?", False),
-    "inter_node.latency_us": (0.1, 1000, "microseconds", "microseconds, not seconds or ms?", False),
-    "overhead.cuda_context_bytes": (0, 16 * GiB, "bytes (0 to 16 GiB)", "bytes, not MiB or GiB?", True),
-    "overhead.nccl_bytes": (0, 16 * GiB, "bytes (0 to 16 GiB)", "bytes, not MiB or GiB?", True),
+    "inter_node.bandwidth_GBps_per_gpu": (0.01, 200, "0.01 to 200 GB/s per GPU", _UNIT_HINT, False),
+    "intra_node.latency_us": (0.1, 1000, "0.1 to 1000 microseconds", "microseconds, not seconds or ms?", False),
+    "inter_node.latency_us": (0.1, 1000, "0.1 to 1000 microseconds", "microseconds, not seconds or ms?", False),
+    "overhead.cuda_context_bytes": (0, 16 * GiB, "0 to 16 GiB, in bytes", "bytes, not MiB or GiB?", True),
+    "overhead.nccl_bytes": (0, 16 * GiB, "0 to 16 GiB, in bytes", "bytes, not MiB or GiB?", True),
 }
 _FRACTIONS = {
     "intra_node.efficiency": (False, "a fraction in (0, 1], e.g. 0.8 for 80%"),
@@ -240,11 +242,11 @@ def validate_profile(profile: HardwareProfile, where: str | None = None) -> Hard
             raise InputError(f"{w}: key {key} = {_fmt(v)} is not a finite number")
         bound_key = "gpu.peak_flops" if key.startswith("gpu.peak_flops.") else key
         if bound_key in _BOUNDS:
-            lo, hi, unit, hint, allow_zero = _BOUNDS[bound_key]
+            lo, hi, span, hint, allow_zero = _BOUNDS[bound_key]
             if allow_zero and v == 0:
                 continue
             if not (lo <= v <= hi):
-                msg = f"{w}: key {key} = {_fmt(v)} is outside the plausible range {lo:g} to {hi:g} {unit}"
+                msg = f"{w}: key {key} = {_fmt(v)} is outside the plausible range {span}"
                 raise InputError(msg + (f"; {hint}" if hint else ""))
         elif key in _FRACTIONS:
             zero_ok, expected = _FRACTIONS[key]
@@ -319,6 +321,16 @@ def _translate(exc: ValidationError, where: str, data: dict[str, Any]) -> InputE
     return InputError(f"{where}: key {key} = {shown} is invalid; expected {expected}")
 
 
+def _reject_bools(d: dict[str, Any], where: str, prefix: str = "") -> None:
+    """No profile field is a boolean; pydantic would silently read true as 1."""
+    for k, v in d.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            _reject_bools(v, where, path)
+        elif isinstance(v, bool):
+            raise InputError(f"{where}: key {path} = {str(v).lower()} is invalid; expected a number or a string")
+
+
 def parse_profile_toml(text: str, where: str = "<toml>") -> HardwareProfile:
     """Parse and validate TOML text; ``where`` names the file in error messages."""
     try:
@@ -327,6 +339,7 @@ def parse_profile_toml(text: str, where: str = "<toml>") -> HardwareProfile:
         raise InputError(f"{where}: malformed TOML: {exc}") from None
     if "path" in data:
         raise InputError(f"{where}: unknown key path; the file location is not stored in the file")
+    _reject_bools(data, where)
     try:
         profile = HardwareProfile.model_validate(data)
     except ValidationError as exc:

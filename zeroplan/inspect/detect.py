@@ -408,8 +408,17 @@ def match_profile(report: NodeReport, profiles: list[Any]) -> list[ProfileMatch]
     """Every profile scored against the node, best first (ties by name); ties listed."""
     if not report.gpus:
         return []
+    by_name = {p.name: p for p in profiles}
+
+    def tie_break(name: str) -> tuple[float, int, str]:
+        # Same score: closest physical core count (when both are known), then the vendor's
+        # reference systems (DGX/HGX) before cloud instances, then the name.
+        p = by_name[name]
+        cores = abs(p.node.cpu_cores - report.cpu_cores) if p.node.cpu_cores and report.cpu_cores else 0
+        return (cores, 0 if name.startswith(("dgx-", "hgx-")) else 1, name)
+
     scored = sorted(
-        ((*score_profile(report, p), p.name) for p in profiles), key=lambda t: (-t[0], t[2])
+        ((*score_profile(report, p), p.name) for p in profiles), key=lambda t: (-t[0], *tie_break(t[2]))
     )
     out: list[ProfileMatch] = []
     for s, reason, name in scored:

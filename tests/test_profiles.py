@@ -314,6 +314,8 @@ def test_wrong_type_names_key_value_and_expected(tmp_path):
         ("inter_node", "efficiency", 0.0, "(0, 1]"),
         ("intra_node", "efficiency", 1.2, "(0, 1]"),
         ("inter_node", "latency_us", 0.005, "microseconds"),  # 5 ns: seconds/us confusion
+        ("intra_node", "latency_us", 50000.0, "microseconds"),  # 50 us written in ns
+        ("overhead", "fragmentation_fraction", 10.0, "fraction"),  # a percentage
     ],
 )
 def test_sanity_bounds(tmp_path, section, key, value, fragment):

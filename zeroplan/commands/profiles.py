@@ -43,7 +43,7 @@ def _profile_json(p: Any) -> dict[str, Any]:
         "gpus_per_node": p.node.gpus_per_node,
         "intra_node_effective_GBps_per_gpu": p.intra_node.effective_GBps_per_gpu,
         "inter_node_effective_GBps_per_gpu": p.inter_node.effective_GBps_per_gpu,
-        "inter_node_GBps_per_node": p.inter_node.bandwidth_GBps_per_gpu * p.node.gpus_per_node,
+        "inter_node_GBps_per_node": p.inter_node_GBps_per_node,
         "inter_node_Gbps_per_node": p.inter_node_Gbps_per_node,
     }
     return d

@@ -113,6 +113,14 @@ class HardwareProfile(_Strict):
     path: str | None = Field(default=None, exclude=True)  # file it was loaded from; not written
 
     @property
+    def inter_node_GBps_per_node(self) -> float:
+        """Inter-node bandwidth of the whole node, GB/s one direction: per-GPU x GPUs per node.
+
+        A ring collective spanning nodes with every GPU of each node in it is bounded by this
+        (NCCL spreads its channels over all the node's NICs), not by the per-GPU share."""
+        return self.inter_node.bandwidth_GBps_per_gpu * self.node.gpus_per_node
+
+    @property
     def inter_node_Gbps_per_node(self) -> float:
         """Inter-node bandwidth per node in Gb/s (1e9 bit/s): per-GPU GB/s x 8 bit x GPUs."""
         return self.inter_node.bandwidth_GBps_per_gpu * 8 * self.node.gpus_per_node

@@ -426,8 +426,10 @@ def _strip_jsonc(text: str, where: str) -> tuple[str, bool]:
             continue
         i += 1
     # Second pass over the comment-free text: drop commas followed only by whitespace and } or ].
+    # A comma only counts as trailing after a value (not after "{", "[", ":" or another ",").
     clean = "".join(out)
     in_string = False
+    last = ""  # last significant character outside strings
     i = 0
     while i < n:
         c = clean[i]
@@ -437,15 +439,20 @@ def _strip_jsonc(text: str, where: str) -> tuple[str, bool]:
                 continue
             if c == '"':
                 in_string = False
+                last = '"'
         elif c == '"':
             in_string = True
         elif c == ",":
             j = i + 1
             while j < n and clean[j] in " \t\r\n":
                 j += 1
-            if j < n and clean[j] in "}]":
+            if j < n and clean[j] in "}]" and last not in ("", "{", "[", ":", ","):
                 out[i] = " "
                 used = True
+            else:
+                last = c
+        elif c not in " \t\r\n":
+            last = c
         i += 1
     return "".join(out), used
 
@@ -743,6 +750,11 @@ def _read_zero(r: _Reader, raw_top: dict[str, Any], zero_raw: Any,
             deprecated[k] = v
             continue
         canonical = _ZERO_ALIASES.get(k, k)
+        ann, meta, default = _field_spec(ZeroConfig, canonical)
+        if _is_auto(v):
+            v = _zero_auto(r, key, k, canonical, stage, hidden_size, default)
+            if v is None:  # dropped, as DeepSpeed drops "auto": the key is not there
+                continue
         if canonical in given_as:
             other = given_as[canonical]
             r.add("DS010", "error", key,
@@ -750,12 +762,6 @@ def _read_zero(r: _Reader, raw_top: dict[str, Any], zero_raw: Any,
                   f"DeepSpeed rejects the pair; using {other}", v)
             continue
         given_as[canonical] = k
-        ann, meta, default = _field_spec(ZeroConfig, canonical)
-        if _is_auto(v):
-            values_auto = _zero_auto(r, key, k, canonical, stage, hidden_size, default)
-            if values_auto is not None:
-                values[canonical] = values_auto
-            continue
         if canonical == "overlap_comm" and v is None:
             continue  # null = "resolve from stage", as DeepSpeed's Optional[bool]
         if canonical in ("offload_optimizer", "offload_param"):

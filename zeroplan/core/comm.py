@@ -28,12 +28,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from zeroplan.core.layout import Layout, ceil_div, greedy_buckets
+from zeroplan.core.layout import Layout, Stage3Schedule, ceil_div, greedy_buckets_after, stage3_schedule
 from zeroplan.specs.collectives import sent_bytes
 from zeroplan.specs.training import TrainingSetup
 
 __all__ = ["LedgerEntry", "PcieTransfer", "CommLedger", "build_ledger", "QWZ_BLOCK"]
 
+# DeepSpeed's stage-0 all-reduce bucket: engine.allreduce_gradients() uses the constant
+# MEMORY_OPT_ALLREDUCE_SIZE (elements), not reduce_bucket_size (measured, DS 0.19.8)
+STAGE0_BUCKET = 500_000_000
 # qwZ block quantisation: one fp32 scale per block of this many elements (approximation)
 QWZ_BLOCK = 2048
 
@@ -101,40 +104,6 @@ class _Builder:
             self.add(op, phase, what, s * elem_bytes, count, dtype, overlap)
 
 
-def _owner_split(layout: Layout, bucket_elems: int) -> list[list[int]]:
-    """Stage 1/2 buckets (reverse order) split at partition boundaries: pieces per bucket."""
-    offsets = []
-    pos = 0
-    for t in layout.tensors:
-        offsets.append((pos, t.numel))
-        pos += t.numel
-    part = layout.partition_12
-    ranges: list[tuple[int, int]] = []  # (start, end) of each bucket in flat coordinates
-    cur_lo = cur_hi = None
-    cur = 0
-    for start, numel in reversed(offsets):
-        if cur and cur + numel > bucket_elems:
-            ranges.append((cur_lo, cur_hi))
-            cur = 0
-            cur_lo = cur_hi = None
-        cur += numel
-        cur_hi = start + numel if cur_hi is None else cur_hi
-        cur_lo = start
-    if cur:
-        ranges.append((cur_lo, cur_hi))
-    pieces: list[list[int]] = []
-    for lo, hi in ranges:
-        p = []
-        a = lo
-        while a < hi:
-            boundary = (a // part + 1) * part
-            b = min(hi, boundary)
-            p.append(b - a)
-            a = b
-        pieces.append(p)
-    return pieces
-
-
 def build_ledger(
     layout: Layout,
     training: TrainingSetup,
@@ -142,7 +111,7 @@ def build_ledger(
     *,
     gpus_per_node: int,
     comm_model: str = "deepspeed",
-    kept_modules: list[bool] | None = None,
+    schedule: Stage3Schedule | None = None,
 ) -> CommLedger:
     """The collectives of one optimizer step for ``zero.stage`` (see module docstring)."""
     if comm_model not in ("deepspeed", "paper"):
@@ -160,46 +129,55 @@ def build_ledger(
     notes: list[str] = []
     ds = comm_model == "deepspeed"
 
+    mixed = prec.mixed
     if stage == 0:
-        B.buckets("all_reduce", "backward", "gradient bucket", layout.grad_buckets(rbs, 0), b_c, 1, cdt, False)
+        B.buckets("all_reduce", "backward", "gradient bucket",
+                  layout.grad_buckets(STAGE0_BUCKET, 0, order="forward", flush="after") if ds
+                  else layout.grad_buckets(rbs, 0), b_c, 1, cdt, False)
+        if ds and not mixed:
+            B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
     elif stage in (1, 2):
         per_step = 1 if stage == 1 else gas
+        order = "forward" if (stage == 1 and not overlap) else "reverse"
         if ds:
+            ranges = layout.bucket_ranges_12(rbs, order)
             if bool(g("use_multi_rank_bucket_allreduce", True)) or not bool(g("reduce_scatter", True)):
-                B.buckets("all_reduce", "backward", "gradient bucket", layout.grad_buckets(rbs, stage), b_c,
-                          per_step, cdt, overlap)
+                for lo, hi in ranges:
+                    slices = layout.owner_slices_12(lo, hi) if bool(g("reduce_scatter", True)) else [hi - lo]
+                    for size in greedy_buckets_after(slices, rbs):
+                        B.add("all_reduce", "backward", "gradient bucket", size * b_c, per_step, cdt, overlap)
             else:
-                for pieces in _owner_split(layout, rbs):
-                    for p in pieces:
-                        B.add("reduce", "backward", "gradient bucket slice to its owner", p * b_c, per_step, cdt, overlap)
+                for lo, hi in ranges:
+                    for size in layout.owner_slices_12(lo, hi):
+                        B.add("reduce", "backward", "gradient bucket slice to its owner", size * b_c, per_step, cdt,
+                              overlap)
         else:
-            B.buckets("reduce_scatter", "backward", "gradient bucket", layout.grad_buckets(rbs, stage), b_c,
-                      per_step, cdt, overlap)
+            B.buckets("reduce_scatter", "backward", "gradient bucket", layout.grad_buckets(rbs, stage, order=order),
+                      b_c, per_step, cdt, overlap)
         B.add("all_gather", "step", "updated parameters (flat, padded to 2N)", layout.flat_padded * b_p, 1, pdt, False)
         if ds:
-            B.add("all_reduce", "step", "overflow flag", 1, 1, "uint8", False)
+            if mixed:
+                B.add("all_reduce", "step", "overflow flag", 1, 1, "uint8", False)
             B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
     else:
         qwz = bool(g("zero_quantized_weights", False))
         hpz = int(g("zero_hpz_partition_size", 1) or 1)
         qgz = bool(g("zero_quantized_gradients", False)) and B.nodes > 1
-        mods = [m for m in layout.modules if m.gathered > 0]
-        if kept_modules is None or len(kept_modules) != len(mods):
-            reuse = int(g("max_reuse_distance", 1_000_000_000))
-            after = 0
-            kept_modules = [False] * len(mods)
-            for i in range(len(mods) - 1, -1, -1):
-                kept_modules[i] = 2 * after <= reuse
-                after += mods[i].gathered
-        for i, m in enumerate(mods):
+        sched = schedule if schedule is not None else stage3_schedule(
+            layout, max_live=int(g("max_live_parameters", 1_000_000_000)),
+            prefetch_bucket=int(g("prefetch_bucket_size", 50_000_000)),
+            max_reuse=int(g("max_reuse_distance", 1_000_000_000)), paper=not ds)
+        if sched.one_shot:
+            notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
+        for size, nparams, label in sched.forward_chunks:
             if qwz:
-                buf = m.gathered + 4 * ceil_div(m.gathered, QWZ_BLOCK)
-                B.add("all_gather", "forward", "module parameters (qwZ int8 + scales)", buf, gas, "int8", True)
+                B.add("all_gather", "forward", "parameters (qwZ int8 + scales)", size + 4 * ceil_div(size, QWZ_BLOCK),
+                      gas, "int8", True)
             else:
-                B.add("all_gather", "forward", "module parameters", m.gathered * b_p, gas, pdt, True)
-        for i, m in enumerate(mods):
-            regather = (not ds) or (not kept_modules[i])
-            if not regather:
+                B.add("all_gather", "forward", "parameters" if nparams > 1 else "module parameters", size * b_p, gas,
+                      pdt, True)
+        for m, again in zip(layout.modules, sched.regather):
+            if not again:
                 continue
             if hpz > 1:
                 B.add("all_gather", "backward", "module parameters (hpZ secondary partition, in node)",
@@ -212,8 +190,8 @@ def build_ledger(
         buckets = layout.grad_buckets(rbs, 3)
         if qgz:
             gpn = B.gpn
-            for s in buckets:
-                int4 = ceil_div(s, 2)
+            for s_ in buckets:
+                int4 = ceil_div(s_, 2)
                 B.add("all_to_all", "backward", "gradient bucket (qgZ int4, intra-node hop)", int4, gas, "int4",
                       overlap, group="intra-node", group_size=gpn)
                 B.add("all_to_all", "backward", "gradient bucket (qgZ int4, inter-node hop)", ceil_div(int4, gpn),
@@ -223,7 +201,11 @@ def build_ledger(
         for t in layout.persistent_tensors:
             B.add("all_gather", "step", "persistent parameter", layout.padded(t.numel) * b_p, 1, pdt, False)
         if ds:
-            B.add("all_reduce", "step", "gradient norm", 8, 1, "float64", False)
+            off = getattr(getattr(zero, "offload_optimizer", None), "device", "none")
+            if str(getattr(off, "value", off)) != "none":
+                B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
+            else:
+                B.add("all_reduce", "step", "gradient norm", 8, 1, "float64", False)
 
     # ---- PCIe traffic for offload (per GPU per step) ----
     pcie: list[PcieTransfer] = []

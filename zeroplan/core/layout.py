@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from zeroplan.specs.model import ModelSpec
 
-__all__ = ["Tensor", "Module", "Layout", "build_layout", "ceil_div", "greedy_buckets"]
+__all__ = ["Tensor", "Module", "Layout", "Stage3Schedule", "build_layout", "ceil_div", "greedy_buckets",
+           "greedy_buckets_after", "stage3_schedule"]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -95,10 +96,53 @@ class Layout:
             groups.append(cur)
         return groups or [0]
 
-    def grad_buckets(self, bucket_elems: int, stage: int) -> list[int]:
-        """Gradient buckets in gradient-ready order (reverse of forward order)."""
-        sizes = [t.numel if stage < 3 else self.padded(t.numel) for t in reversed(self.tensors)]
+    def grad_buckets(self, bucket_elems: int, stage: int, *, order: str = "reverse", flush: str = "before") -> list[int]:
+        """Gradient buckets. ``order``: "reverse" = gradient-ready order (hooks), "forward" =
+        parameter order (stage 0, stage 1 without overlap_comm). ``flush``: "before" adding
+        (stages 1–3) or "after" adding once over the size (stage 0's allreduce_no_retain)."""
+        seq = self.tensors if order == "forward" else list(reversed(self.tensors))
+        sizes = [t.numel if stage < 3 else self.padded(t.numel) for t in seq]
+        if flush == "after":
+            return greedy_buckets_after(sizes, bucket_elems)
         return greedy_buckets(sizes, bucket_elems)
+
+    def bucket_ranges_12(self, bucket_elems: int, order: str) -> list[tuple[int, int]]:
+        """Stage 1/2 buckets as [start, end) ranges of the flat buffer (pre-add flush)."""
+        offsets = []
+        pos = 0
+        for t in self.tensors:
+            offsets.append((pos, t.numel))
+            pos += t.numel
+        seq = offsets if order == "forward" else list(reversed(offsets))
+        ranges: list[tuple[int, int]] = []
+        lo = hi = None
+        cur = 0
+        for start, numel in seq:
+            if cur and cur + numel > bucket_elems:
+                ranges.append((lo, hi))
+                cur, lo, hi = 0, None, None
+            cur += numel
+            lo = start if lo is None else min(lo, start)
+            hi = start + numel if hi is None else max(hi, start + numel)
+        if cur:
+            ranges.append((lo, hi))
+        return ranges
+
+    def owner_slices_12(self, lo: int, hi: int) -> list[int]:
+        """Split a flat range at the owner-partition boundaries (partition = Ψ₁₂/N)."""
+        part = self.partition_12
+        out = []
+        a = lo
+        while a < hi:
+            b = min(hi, (a // part + 1) * part)
+            out.append(b - a)
+            a = b
+        return out
+
+    @property
+    def persistent_padded(self) -> int:
+        """Persistent params are stored whole, padded to a multiple of N (measured, DS 0.19.8)."""
+        return sum(self.padded(t.numel) for t in self.persistent_tensors)
 
 
 def greedy_buckets(sizes: list[int], bucket_elems: int) -> list[int]:
@@ -113,6 +157,71 @@ def greedy_buckets(sizes: list[int], bucket_elems: int) -> list[int]:
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def greedy_buckets_after(sizes: list[int], bucket_elems: int) -> list[int]:
+    """Add, then flush once the running size exceeds the bucket (stage 0, multi-rank packing)."""
+    buckets: list[int] = []
+    cur = 0
+    for n in sizes:
+        cur += n
+        if cur > bucket_elems:
+            buckets.append(cur)
+            cur = 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+@dataclass
+class Stage3Schedule:
+    """Which gathers stage 3 issues per micro-step (deepspeed-internals + measured DS 0.19.8).
+
+    ``forward_chunks``: one all-gather each — (padded elements, number of params, label).
+    ``regather``: per module of ``Layout.modules`` (same order), re-gathered in backward.
+    """
+
+    forward_chunks: list[tuple[int, int, str]]
+    regather: list[bool]
+    one_shot: bool
+
+
+def stage3_schedule(layout: "Layout", *, max_live: int, prefetch_bucket: int, max_reuse: int,
+                    paper: bool = False) -> Stage3Schedule:
+    mods = layout.modules
+    pset = {t.name for t in layout.persistent_tensors}
+    nonpersistent = [t for t in layout.tensors if t.name not in pset]
+    if paper:
+        chunks = [(m.gathered, m.n_gathered, m.name) for m in mods if m.gathered > 0]
+        return Stage3Schedule(chunks, [m.gathered > 0 for m in mods], False)
+    bound = min(max_live, prefetch_bucket)
+    total_np = sum(t.numel for t in nonpersistent)
+    if bound > 0 and total_np < bound:
+        chunk = (sum(layout.padded(t.numel) for t in nonpersistent), len(nonpersistent), "all non-persistent parameters (one prefetch)")
+        return Stage3Schedule([chunk] if nonpersistent else [], [False] * len(mods), True)
+    chunks: list[tuple[int, int, str]] = []
+    if bound <= 0:
+        chunks = [(m.gathered, m.n_gathered, m.name) for m in mods if m.gathered > 0]
+    else:
+        cur = cur_p = n = 0
+        first = ""
+        for t in nonpersistent:
+            if n == 0:
+                first = t.module
+            cur += t.numel
+            cur_p += layout.padded(t.numel)
+            n += 1
+            if cur >= bound:
+                chunks.append((cur_p, n, first if n == 1 else f"{first} …"))
+                cur = cur_p = n = 0
+        if n:
+            chunks.append((cur_p, n, first if n == 1 else f"{first} …"))
+    regather = [False] * len(mods)
+    after = 0
+    for i in range(len(mods) - 1, -1, -1):
+        regather[i] = mods[i].gathered > 0 and 2 * after >= max_reuse
+        after += mods[i].numel
+    return Stage3Schedule(chunks, regather, False)
 
 
 def build_layout(

@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.activations import ActivationBreakdown, activation_memory
-from zeroplan.core.layout import Layout, build_layout
+from zeroplan.core.layout import Layout, Stage3Schedule, build_layout, stage3_schedule
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
 
@@ -134,71 +134,54 @@ def model_state_bytes(layout: Layout, training: TrainingSetup, stage: int) -> tu
         n_g = layout.flat_padded if stage == 1 else layout.partition_12
         n_o = layout.partition_12
     else:
-        n_p = layout.partition_3 + layout.persistent_numel
+        n_p = layout.partition_3 + layout.persistent_padded
         n_g = layout.partition_3
         n_o = layout.partition_3
     return prec.param_bytes * n_p, prec.grad_bytes * n_g, int(k * n_o)
 
 
-def _stage3_gather(layout: Layout, zero: Any, b_p: int) -> tuple[GatherPeak | None, GatherPeak | None, list[bool]]:
-    """Forward and backward gathered-parameter peaks (bytes) and which modules are kept."""
-    mods = [m for m in layout.modules if m.gathered > 0]
-    if not mods:
-        return None, None, []
-    reuse = int(_get(zero, "max_reuse_distance", 1_000_000_000))
-    prefetch_cap = int(_get(zero, "prefetch_bucket_size", 50_000_000))
-    max_live = int(_get(zero, "max_live_parameters", 1_000_000_000))
-    after = 0
-    dist = [0] * len(mods)
-    for i in range(len(mods) - 1, -1, -1):
-        dist[i] = 2 * after
-        after += mods[i].gathered
-    kept = [d <= reuse for d in dist]
+def _stage3_gather(layout: Layout, sched: Stage3Schedule, b_p: int) -> tuple[GatherPeak | None, GatherPeak | None]:
+    """Forward and backward gathered-parameter peaks (bytes).
 
-    def transient(m) -> int:
-        return m.gathered * (2 if m.n_gathered > 1 else 1)
-
-    def prefetch(i: int, available: int, step: int) -> int:
-        bound = min(prefetch_cap, max(0, max_live - available))
-        got = 0
-        j = i + step
-        while 0 <= j < len(mods) and got < bound:
-            got += mods[j].gathered
-            j += step
-        return got
-
-    best_f: GatherPeak | None = None
-    kept_sum = 0
-    for i, m in enumerate(mods):
-        pf = prefetch(i, kept_sum + m.gathered, +1)
-        total = kept_sum + transient(m) + pf
+    Forward: the gather in flight (2× while a multi-parameter coalesced gather is unpacked)
+    on top of everything gathered earlier that is kept for backward. Backward: the kept
+    modules (released as backward reaches them) plus a re-gathered module in flight.
+    """
+    if not sched.forward_chunks:
+        return None, None
+    kept_total = sum(m.gathered for m, again in zip(layout.modules, sched.regather) if m.gathered and not again)
+    if sched.one_shot:
+        size, n, label = sched.forward_chunks[0]
+        t = size * (2 if n > 1 else 1)
+        f = GatherPeak(module=label, module_bytes=size * b_p, transient_bytes=t * b_p, kept_bytes=0,
+                       prefetch_bytes=0, total_bytes=t * b_p, phase="forward")
+        return f, GatherPeak(module=label, module_bytes=size * b_p, transient_bytes=0, kept_bytes=size * b_p,
+                             prefetch_bytes=0, total_bytes=size * b_p, phase="backward")
+    # forward: walk the chunks; what stays gathered is the kept modules' share of earlier chunks
+    frac_kept = kept_total / max(1, sum(c[0] for c in sched.forward_chunks))
+    best_f = None
+    done = 0
+    for size, n, label in sched.forward_chunks:
+        t = size * (2 if n > 1 else 1)
+        kept = int(done * frac_kept)
+        total = kept + t
         if best_f is None or total * b_p > best_f.total_bytes:
-            best_f = GatherPeak(
-                module=m.name, module_bytes=m.gathered * b_p, transient_bytes=transient(m) * b_p,
-                kept_bytes=kept_sum * b_p, prefetch_bytes=pf * b_p, total_bytes=total * b_p, phase="forward",
-            )
-        if kept[i]:
-            kept_sum += m.gathered
-    best_b: GatherPeak | None = None
-    live_kept = kept_sum
-    for i in range(len(mods) - 1, -1, -1):
-        m = mods[i]
-        if kept[i]:
-            cur = 0
-            held = live_kept
-        else:
-            cur = transient(m)
-            held = live_kept
-        pf = prefetch(i, held + cur, -1)
-        total = held + cur + pf
+            best_f = GatherPeak(module=label, module_bytes=size * b_p, transient_bytes=t * b_p, kept_bytes=kept * b_p,
+                                prefetch_bytes=0, total_bytes=total * b_p, phase="forward")
+        done += size
+    best_b = None
+    held = kept_total
+    for m, again in reversed(list(zip(layout.modules, sched.regather))):
+        if not m.gathered:
+            continue
+        cur = m.gathered * (2 if m.n_gathered > 1 else 1) if again else 0
+        total = held + cur
         if best_b is None or total * b_p > best_b.total_bytes:
-            best_b = GatherPeak(
-                module=m.name, module_bytes=m.gathered * b_p, transient_bytes=cur * b_p,
-                kept_bytes=held * b_p, prefetch_bytes=pf * b_p, total_bytes=total * b_p, phase="backward",
-            )
-        if kept[i]:
-            live_kept -= m.gathered
-    return best_f, best_b, kept
+            best_b = GatherPeak(module=m.name, module_bytes=m.gathered * b_p, transient_bytes=cur * b_p,
+                                kept_bytes=held * b_p, prefetch_bytes=0, total_bytes=total * b_p, phase="backward")
+        if not again:
+            held -= m.gathered
+    return best_f, best_b
 
 
 def memory_for_stage(
@@ -272,7 +255,7 @@ def memory_for_stage(
         if bool(_get(_get(zero, "offload_optimizer"), "pin_memory", True)):
             pinned += sum(host.detail.values())
     if off_par != "none":
-        gpu_params = b_p * layout.persistent_numel
+        gpu_params = b_p * layout.persistent_padded
         if off_par == "cpu":
             host.detail["param_partition"] = b_p * layout.partition_3
             if bool(_get(_get(zero, "offload_param"), "pin_memory", True)):
@@ -308,7 +291,11 @@ def memory_for_stage(
         if contiguous:
             buffers["ipg_bucket"] = b_g * rbs
         buffers["reduce_scatter_temp"] = b_c * min(rbs, layout.padded_total_3)
-        gather_f, gather_b, _ = _stage3_gather(layout, zero, b_p)
+        sched = stage3_schedule(
+            layout, max_live=int(_get(zero, "max_live_parameters", 1_000_000_000)),
+            prefetch_bucket=int(_get(zero, "prefetch_bucket_size", 50_000_000)),
+            max_reuse=int(_get(zero, "max_reuse_distance", 1_000_000_000)))
+        gather_f, gather_b = _stage3_gather(layout, sched, b_p)
         if gather_f:
             buffers["gathered_params_forward"] = gather_f.total_bytes
         if gather_b:

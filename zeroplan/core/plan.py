@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for
 from zeroplan.core.layout import build_layout
-from zeroplan.core.memory import MemoryBreakdown, _stage3_gather, memory_for_stage
+from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
@@ -85,11 +85,7 @@ def evaluate(
     )
     overhead = hardware.overhead.model_dump() if hardware is not None else None
     mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout)
-    kept = None
-    if stage == 3:
-        _, _, kept = _stage3_gather(layout, zero, training.precision.param_bytes)
-    ledger: CommLedger = build_ledger(layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model,
-                                      kept_modules=kept)
+    ledger: CommLedger = build_ledger(layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model)
     off_opt = _device(zero, "offload_optimizer") if stage >= 1 else "none"
     off_par = _device(zero, "offload_param") if stage == 3 else "none"
     comm = CommResult(

@@ -7,7 +7,9 @@ broadcast / reduce 1. The latency term counts ring steps: (n−1) for one-pass c
 and 2(n−1) for all-reduce; when the group spans nodes the intra-node hops use the intra
 link's α and the (nodes−1) inter-node hops the inter link's α. Bandwidth: a group inside one
 node uses the intra-node link; a group spanning nodes is bottlenecked by the slower of the
-two tiers per GPU (in practice the NIC share per GPU).
+two tiers: NVLink per GPU, or the node's NICs together (NCCL runs one ring per NIC, so a
+ring over all GPUs crosses each node boundary once per ring: per-GPU NIC share × GPUs per
+node); an all-to-all is limited by each GPU's own NIC share.
 
 Compute: 6·Ψ_active·tokens FLOPs per step (8· with full recomputation), tokens = micro
 batch × sequence × gradient-accumulation steps per GPU, over peak FLOP/s(dtype) × MFU.
@@ -58,7 +60,11 @@ def collective_time_s(e: LedgerEntry, hw: Any, n_gpus: int, gpus_per_node: int) 
         bw, lat = bw_inter, _steps(e.op, n) * inter.latency_us * 1e-6
     else:
         nodes = -(-n // gpus_per_node)
-        bw = min(bw_intra, bw_inter)
+        # NCCL spreads its rings over every NIC of a node: a ring over all GPUs is limited by
+        # the node's whole NIC bandwidth (per-GPU share × GPUs per node) or NVLink, whichever
+        # is slower. An all-to-all sends each GPU's own share through the NICs: per-GPU.
+        per_node = bw_inter * (1 if e.op == "all_to_all" else gpus_per_node)
+        bw = min(bw_intra, per_node)
         mult = 2 if e.op == "all_reduce" else 1
         lat = mult * ((gpus_per_node - 1) * intra.latency_us + (nodes - 1) * inter.latency_us) * 1e-6
     return lat + e.buffer_bytes * busbw_factor(e.op, n) / bw

@@ -699,7 +699,7 @@ class ZeroEngine:
             master.mul_(1 - self.lr * self.wd)
         m.mul_(b1).add_(g32, alpha=1 - b1)
         v.mul_(b2).addcmul_(g32, g32, value=1 - b2)
-        denom = v.sqrt()  # the one fp32 temporary of the group's size
+        denom = self._tag(v.sqrt(), "buffers")  # the one fp32 temporary of the group's size
         denom.div_(math.sqrt(1 - b2 ** t)).add_(self.eps)
         master.addcdiv_(m, denom, value=-self.lr / (1 - b1 ** t))
         del denom

@@ -833,3 +833,47 @@ def test_differential_against_deepspeed(ds_zero_config, zero):
         if d_theirs[name]["device"] == "none":
             d_theirs[name] = {"device": "none"}
     assert _ours_as_dict(cfg.zero) == d_theirs
+
+
+# ----------------------------------------------------------------------------------------------
+# Smaller behaviours
+# ----------------------------------------------------------------------------------------------
+
+def test_strict_accepts_configs_with_only_warnings_and_infos():
+    cfg = load_ds_config(CONFIGS / "seed-zero2-offload.json", strict=True)
+    assert cfg.zero.stage == 2
+    cfg = load_ds_config(CONFIGS / "hf-zero3-auto.json", strict=True, hidden_size=1024)
+    assert cfg.zero.reduce_bucket_size == 1024 * 1024
+
+
+def test_fp16_block_value_types():
+    cfg = load_ds_config({"fp16": {"enabled": True, "loss_scale": True, "hysteresis": "x",
+                                   "initial_scale_power": 16.0}, "train_batch_size": 8})
+    keys = {f.key: f.severity for f in cfg.findings if f.rule_id == "DS003"}
+    assert keys == {"fp16.loss_scale": "error", "fp16.hysteresis": "error"}
+    assert cfg.precision == "fp16"
+
+
+def test_caller_micro_batch_differs_from_deepspeed_fill_in():
+    cfg = load_ds_config({"train_batch_size": 64}, micro_batch=4, world_size=8)
+    assert (cfg.train_batch_size, cfg.micro_batch, cfg.grad_accum) == (64, 8, 1)   # 64 // 8, gas 1
+    assert finding(cfg, "DS008", "train_micro_batch_size_per_gpu").severity == "warning"
+
+
+def test_dropped_auto_alias_does_not_conflict_but_resolved_one_does():
+    d = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto", "prefetch_bucket_size": 7},
+         "train_batch_size": 8}
+    cfg = load_ds_config(d)                      # "auto" dropped: only prefetch_bucket_size remains
+    assert cfg.zero.prefetch_bucket_size == 7 and rules(cfg, "error") == []
+    cfg = load_ds_config(d, hidden_size=100)     # HF fills it: now both keys are set
+    assert finding(cfg, "DS010", "prefetch_bucket_size").severity == "error"
+
+
+def test_dict_input_with_non_string_keys_and_tuples():
+    cfg = load_ds_config({"zero_optimization": {"stage": 1}, "optimizer": {"type": "Adam", "params": {
+        "betas": (0.9, 0.99)}}, 5: 1, "train_batch_size": 8})
+    assert cfg.optimizer_type == "adam"                     # DeepSpeed lower-cases built-in names
+    assert cfg.optimizer_params["betas"] == [0.9, 0.99]
+    assert finding(cfg, "DS001", "5").severity == "warning"
+    with pytest.raises(InputError):
+        load_ds_config({"a": object()})

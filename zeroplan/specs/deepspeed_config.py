@@ -349,11 +349,20 @@ TOP_LEVEL_KEYS: frozenset[str] = frozenset({
     "data_parallel_size",
 })
 
-_FP16_KEYS = frozenset({"enabled", "auto_cast", "loss_scale", "initial_scale_power",
-                        "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-                        "min_loss_scale", "fp16_master_weights_and_grads"})
-_BF16_KEYS = frozenset({"enabled", "immediate_grad_update", "check_grad_overflow",
-                        "bf16_master_weights_and_grads", "bf16_optimizer_states"})
+# fp16 / bf16 blocks (DeepSpeedFP16Config / DeepSpeedBF16Config): field -> (type, default).
+_FP16_FIELDS: dict[str, tuple[Any, Any]] = {
+    "enabled": (bool, False), "auto_cast": (bool, False), "loss_scale": (float, 0.0),
+    "initial_scale_power": (int, 16), "loss_scale_window": (int, 1000), "hysteresis": (int, 2),
+    "consecutive_hysteresis": (bool, False), "min_loss_scale": (int, 1),
+    "fp16_master_weights_and_grads": (bool, False),
+}
+_BF16_FIELDS: dict[str, tuple[Any, Any]] = {
+    "enabled": (bool, False), "immediate_grad_update": (bool, False),
+    "check_grad_overflow": (bool, True), "bf16_master_weights_and_grads": (bool, False),
+    "bf16_optimizer_states": (bool, False),
+}
+_FP16_KEYS = frozenset(_FP16_FIELDS)
+_BF16_KEYS = frozenset(_BF16_FIELDS)
 _OPTIMIZER_KEYS = frozenset({"type", "params", "legacy_fusion"})
 _SCHEDULER_KEYS = frozenset({"type", "params"})
 _LEAF_MODULE_KEYS = frozenset({"classes", "names", "name_suffixes"})
@@ -365,10 +374,6 @@ _ZENFLOW_KEYS = frozenset({"topk_ratio", "select_strategy", "select_interval", "
 _DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-
-
-def _canonical_zero_fields() -> list[str]:
-    return list(ZeroConfig.model_fields)
 
 
 # --------------------------------------------------------------------------------------------
@@ -569,6 +574,7 @@ class _Reader:
             raise InputError(f"{self.where}: {errors[0].rule_id} {errors[0].message}{more}")
 
     def unknown(self, key: str, known: frozenset[str] | list[str], severity: str, why: str) -> None:
+        key = str(key)
         leaf = key.rsplit(".", 1)[-1]
         close = difflib.get_close_matches(leaf, list(known), n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -1021,6 +1027,12 @@ def _read_batch(r: _Reader, raw: dict[str, Any], micro_batch: int | None,
         gas, mb = 1, tb // ws
     elif mb is not None:
         tb, gas = mb * ws, 1
+    for key, final in (("train_micro_batch_size_per_gpu", mb), ("gradient_accumulation_steps", gas)):
+        if raw.get(key) is None and given[key] is not None and final is not None and final != given[key]:
+            r.add("DS008", "warning", key,
+                  f"{key} is not in the config; DeepSpeed's fill-in rule gives {final} "
+                  f"(train_batch_size={tb}, world_size={ws}) but {flags[key]} {given[key]} was "
+                  "given; the fill-in value is used", final)
     # DeepSpeedConfig._batch_assertion
     if mb is not None and mb <= 0 or gas is not None and gas <= 0:
         r.add("DS008", "error", "train_batch_size",
@@ -1044,10 +1056,18 @@ def _read_precision(r: _Reader, raw: dict[str, Any], precision: str | None) -> t
             r.add("DS003", "error", block_key, f"{block_key} = {_fmt(block)}: expected an object "
                   f"such as {{\"enabled\": true}}, got {_json_type(block)}; treated as disabled", block)
             return False
+        fields = _FP16_FIELDS if keys is _FP16_KEYS else _BF16_FIELDS
         for k, v in block.items():
             if k not in keys:
                 r.unknown(f"{block_key}.{k}", keys, "error",
                           f"DeepSpeed's {block_key} config forbids extra keys")
+            elif k != "enabled" and not _is_auto(v):
+                typ, default = fields[k]
+                if typ is float and isinstance(v, bool):  # fp16.loss_scale rejects bools
+                    r.add("DS003", "error", f"{block_key}.{k}", f"{block_key}.{k} = {_fmt(v)}: "
+                          "expected a number, not a boolean; DeepSpeed rejects it", v)
+                else:
+                    r.value(f"{block_key}.{k}", v, typ, [], default)
         v = block.get("enabled", False)
         if _is_auto(v):
             return None
@@ -1203,8 +1223,11 @@ def load_ds_config(source: str | Path | dict, *, strict: bool = False,
     path: str | None = None
     used_ext = False
     if isinstance(source, dict):
-        raw = copy.deepcopy(source)
         where = "<config dict>"
+        try:  # a deep copy that also makes it JSON-shaped (string keys, lists), as a file would be
+            raw = json.loads(json.dumps(source, allow_nan=True))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InputError(f"{where}: not JSON-serialisable: {exc}") from None
     elif isinstance(source, str) and source.lstrip().startswith("{"):
         where = "<config text>"
         raw, used_ext = parse_ds_json(source, where)

@@ -1,0 +1,33 @@
+"""The README is the manual: its excerpts are real output and its commands are what CI runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from readme_examples import README, examples, run_example, BLOCK
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = README.read_text()
+
+
+def test_ci_runs_the_readme_test_command():
+    blocks = re.findall(r"```bash\n(.+?)\n```", TEXT)
+    test_cmd = next(b for b in blocks if "pytest" in b)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_cmd.strip() in ci, (test_cmd, ci)
+
+
+def test_readme_has_a_main_job_command():
+    blocks = re.findall(r"```bash\n(.+?)\n```", TEXT)
+    assert any(b.startswith("pip install . && zeroplan ") for b in blocks)
+
+
+@pytest.mark.parametrize("cmd", examples(TEXT))
+def test_readme_excerpt_is_true(cmd):
+    block = next(m for m in BLOCK.finditer(TEXT) if m.group("cmd").strip() == cmd)
+    shown = block.group(0).split("```console\n", 1)[1].rsplit("```", 1)[0]
+    body = shown.split("\n", 1)[1].rstrip("\n")  # drop the "$ zeroplan ..." line
+    assert body == run_example(cmd), f"README excerpt for {cmd!r} is stale: run python tests/readme_examples.py"

@@ -40,7 +40,7 @@ def _render_table(report: Any) -> None:
     t = Table(title=(f"bench collectives — {report.backend}, world {report.world_size} "
                      f"({report.nodes} node(s) × {report.gpus_per_node}), group {report.group}, {report.dtype}, "
                      f"{report.iters} iters"), title_justify="left")
-    for col in ("op", "size", "n", "time µs", "algbw GB/s", "busbw GB/s", "rank min–median–max µs", "slow"):
+    for col in ("op", "size", "n", "time µs", "algbw GB/s", "busbw GB/s", "ranks min–med–max µs", "slow"):
         t.add_column(col, justify="left" if col in ("op", "slow") else "right", no_wrap=True)
     for r in report.results:
         t.add_row(r.op, _fmt_size(r.size_bytes), str(r.group_size), f"{r.time_s * 1e6:,.1f}",
@@ -48,6 +48,10 @@ def _render_table(report: Any) -> None:
                   f"{r.min_s * 1e6:,.0f}–{r.median_s * 1e6:,.0f}–{r.max_s * 1e6:,.0f}",
                   ",".join(map(str, r.stragglers)) or "-")
     out = console()
+    if not out.is_terminal:
+        from rich.console import Console
+
+        out = Console(highlight=False, soft_wrap=False, width=max(out.width, 110))
     out.print(t)
     out.print("GB/s = 1e9 bytes/s; size = full buffer (nccl-tests convention); time = slowest rank's mean per call.")
     if report.stragglers:

@@ -2,8 +2,9 @@
 
 ``spawn`` forks ``nproc`` processes (fork start method: ~0.1 s per rank instead of 7-11 s for
 spawn), each calling ``torch.set_num_threads(1)`` first (fork after multi-threaded math can
-deadlock otherwise). Rendezvous goes through a TCPStore that the parent owns on port 0 (the
-OS picks a free port: no fixed port can collide). Each rank initialises the process group
+deadlock otherwise). Rendezvous goes through a FileStore in a fresh temporary directory: no
+port is involved (nothing can collide) and the parent runs no server thread (forking while a
+parent-owned TCPStore thread held a lock deadlocked children now and then). Each rank initialises the process group
 with a short ``timeout=`` and runs ``fn(rank, world_size, *args)``; its return value must be
 JSON-serialisable (pydantic models are dumped) and comes back in rank order.
 
@@ -153,13 +154,17 @@ def _signal_name(num: int) -> str:
 
 
 # ------------------------------------------------------------------ the child
-def _child_main(fn: Callable, rank: int, world_size: int, args: tuple, backend: str, port: int,
+def _child_main(fn: Callable, rank: int, world_size: int, args: tuple, backend: str, store_path: str,
                 pg_timeout_s: float, env: dict[str, str] | None, result_dir: str) -> None:
     """Runs in the forked rank; never returns (os._exit), so no parent cleanup code runs twice."""
     code = 0
     out = Path(result_dir) / f"rank{rank}.json"
     try:
         _set_pdeathsig()
+        import faulthandler
+
+        stack_file = open(Path(result_dir) / f"rank{rank}.stack", "w")  # noqa: SIM115 - lives until os._exit
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
         if env:
             os.environ.update({str(k): str(v) for k, v in env.items()})
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -171,8 +176,8 @@ def _child_main(fn: Callable, rank: int, world_size: int, args: tuple, backend: 
 
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=timedelta(seconds=pg_timeout_s))
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(timedelta(seconds=pg_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
         try:
@@ -213,28 +218,23 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: tuple = (), backend: str 
     import multiprocessing as mp
     from multiprocessing.connection import wait as mp_wait
 
-    import torch.distributed as dist
-
     check_world_size(nproc)
     backend = resolve_backend(backend)
     if timeout_s <= 0:
         raise InputError(f"timeout {timeout_s!r}: expected seconds > 0")
     ctx = mp.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
     procs: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="zeroplan-spawn-") as result_dir:
         try:
             for rank in range(nproc):
                 p = ctx.Process(target=_child_main, name=f"zeroplan-rank{rank}", daemon=False,
-                                args=(fn, rank, nproc, tuple(args), backend, store.port, timeout_s, env,
-                                      result_dir))
+                                args=(fn, rank, nproc, tuple(args), backend, str(Path(result_dir) / "store"),
+                                      timeout_s, env, result_dir))
                 p.start()
                 procs.append(p)
             return _supervise(procs, result_dir, timeout_s, mp_wait, on_poll)
         finally:
             _kill_all(procs)
-            del store
 
 
 def _read_result(result_dir: str, rank: int) -> dict | None:
@@ -269,9 +269,11 @@ def _supervise(procs: list[Any], result_dir: str, timeout_s: float, mp_wait: Cal
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             still = sorted(rank for rank, _ in pending.values())
+            where = _stacks(procs, still, result_dir)
             names = ", ".join(str(r) for r in still)
             timeout_failures = [
-                RankFailure(rank=r, kind="timeout", message=f"still running after {timeout_s:g} s (killed)")
+                RankFailure(rank=r, kind="timeout",
+                            message=f"still running after {timeout_s:g} s (killed)" + (f", in {where[r]}" if where.get(r) else ""))
                 for r in still
             ]
             raise RankError(failures + timeout_failures,
@@ -302,6 +304,28 @@ def _supervise(procs: list[Any], result_dir: str, timeout_s: float, mp_wait: Cal
             failures.sort(key=_is_consequence)  # stable: the root cause first, peers' errors after
             raise RankError(failures, note=note)
     return [results[r] for r in range(len(procs))]
+
+
+def _stacks(procs: list[Any], ranks: list[int], result_dir: str) -> dict[int, str]:
+    """Ask hung ranks for their Python stack (SIGUSR1 -> faulthandler); innermost zeroplan/user frame."""
+    for r in ranks:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except (ProcessLookupError, TypeError):
+            pass
+    time.sleep(0.3)
+    out: dict[int, str] = {}
+    for r in ranks:
+        try:
+            lines = (Path(result_dir) / f"rank{r}.stack").read_text().splitlines()
+        except OSError:
+            continue
+        frames = [ln.strip() for ln in lines if ln.strip().startswith("File ")]
+        if frames:  # faulthandler prints the innermost frame first
+            inner = frames[0]
+            m = inner.replace('File "', "").replace('", line ', ":")
+            out[r] = m
+    return out
 
 
 def _kill_all(procs: list[Any]) -> None:

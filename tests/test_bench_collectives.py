@@ -1,0 +1,233 @@
+"""`zeroplan bench collectives` on gloo (2 and 4 local ranks) and the alpha-beta fit."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tomllib
+
+import pytest
+from typer.testing import CliRunner
+
+from zeroplan._util import InputError
+from zeroplan.bench.fit import fit_alpha_beta
+from zeroplan.cli import app
+
+runner = CliRunner()
+
+# nccl-tests doc/PERFORMANCE.md, written out here independently of zeroplan.specs
+BUSBW = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _run_json(*args: str, env: dict | None = None) -> dict:
+    result = runner.invoke(app, ["bench", "collectives", "--json", "--backend", "gloo", "--warmup", "1",
+                                 "--iters", "3", "--timeout", "60", *args], env=env)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _expected_sizes(min_b: int, max_b: int, factor: int, elem: int, n: int) -> list[int]:
+    sizes, s = [], min_b
+    while s <= max_b:
+        count = max(n, (max(1, s // elem) // n) * n)
+        sizes.append(count * elem)
+        s *= factor
+    return sizes
+
+
+# ------------------------------------------------------------------ fit (torch-free)
+def test_fit_recovers_known_alpha_beta_exactly():
+    alpha, beta = 25e-6, 12.5e9  # 25 us, 12.5 GB/s
+    pts = [(x, alpha + x / beta) for x in (2**k for k in range(10, 28))]
+    for weighting in ("relative", "absolute"):
+        f = fit_alpha_beta(pts, weighting=weighting)
+        assert math.isclose(f.latency_us, 25.0, rel_tol=1e-9)
+        assert math.isclose(f.bandwidth_GBps, 12.5, rel_tol=1e-9)
+        assert f.r2 > 0.999999 and f.points == 18
+
+
+def test_fit_with_noise_stays_close():
+    import random
+
+    rng = random.Random(7)
+    alpha, beta = 8e-6, 300e9
+    pts = [(x, (alpha + x / beta) * (1 + rng.uniform(-0.03, 0.03))) for x in (2**k for k in range(8, 30))]
+    f = fit_alpha_beta(pts)
+    assert abs(f.latency_us - 8.0) / 8.0 < 0.1
+    assert abs(f.bandwidth_GBps - 300.0) / 300.0 < 0.1
+
+
+def test_fit_rejects_degenerate_sweeps():
+    with pytest.raises(InputError, match="two distinct"):
+        fit_alpha_beta([(1024, 1e-5), (1024, 2e-5)])
+    with pytest.raises(InputError, match="does not grow"):
+        fit_alpha_beta([(1024, 2e-3), (2**20, 1e-3)])
+    with pytest.raises(InputError, match="> 0"):
+        fit_alpha_beta([(1024, 0.0), (2048, 1e-3)])
+    # negative intercept -> alpha clamped to 0, fit through the origin
+    f = fit_alpha_beta([(1e6, 0.9e-3), (2e6, 2e-3), (4e6, 4.1e-3)])
+    assert f.alpha_s == 0.0 and f.beta_Bps > 0
+
+
+# ------------------------------------------------------------------ the sweep on gloo
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_sweep_busbw_follows_formulas_and_records_are_exact(nproc):
+    ops = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce"]
+    data = _run_json("--nproc", str(nproc), "--ops", ",".join(ops), "--min-bytes", "1000", "--max-bytes", "64K",
+                     "--factor", "8", "--dtype", "bfloat16")
+    assert data["world_size"] == nproc and data["backend"] == "gloo" and data["dtype"] == "bfloat16"
+    assert data["nodes"] == 1 and data["groups"]["intra-node"] == [list(range(nproc))]
+    sizes = _expected_sizes(1000, 64 * 1024, 8, 2, nproc)
+    assert [(r["op"], r["size_bytes"]) for r in data["results"]] == [(op, s) for op in ops for s in sizes]
+    for r in data["results"]:
+        n = r["group_size"]
+        assert n == nproc
+        assert len(r["rank_time_s"]) == nproc
+        # time = slowest rank's mean; algbw = size / time; busbw = algbw x nccl-tests factor
+        assert r["time_s"] == max(r["rank_time_s"]) == r["max_s"]
+        assert r["min_s"] == min(r["rank_time_s"])
+        assert math.isclose(r["algbw_GBps"], r["size_bytes"] / r["time_s"] / 1e9, rel_tol=1e-12)
+        assert math.isclose(r["busbw_GBps"], r["algbw_GBps"] * BUSBW[r["op"]](n), rel_tol=1e-12)
+        # the instrumented layer recorded every timed call with the exact full-buffer bytes
+        assert r["records"] == {"count": 3, "buffer_bytes": r["size_bytes"], "consistent": 1}
+        assert r["count"] * 2 == r["size_bytes"]
+
+
+@pytest.mark.slow
+def test_straggler_is_flagged():
+    env = dict(os.environ, ZEROPLAN_BENCH_DELAY="2:0.02")  # rank 2 completes 20 ms late per call
+    data = _run_json("--nproc", "4", "--ops", "all_reduce,all_gather", "--min-bytes", "1K", "--max-bytes", "4K",
+                     "--factor", "4", env=env)
+    assert len(data["results"]) == 4
+    for r in data["results"]:
+        assert 2 in r["stragglers"]
+        assert r["rank_time_s"][2] > 1.5 * sorted(r["rank_time_s"])[1]
+    assert {s["rank"] for s in data["stragglers"]} >= {2}
+
+
+@pytest.mark.slow
+def test_intra_and_inter_groups_on_a_simulated_two_node_layout():
+    for group, members, kind in (("intra", [[0, 1], [2, 3]], "intra-node"), ("inter", [[0, 2], [1, 3]], "inter-node")):
+        data = _run_json("--nproc", "4", "--gpus-per-node", "2", "--group", group, "--ops", "all_reduce",
+                         "--min-bytes", "4K", "--max-bytes", "4K")
+        assert data["nodes"] == 2 and data["gpus_per_node"] == 2
+        assert data["groups"]["intra-node"] == [[0, 1], [2, 3]]
+        assert data["groups"]["inter-node"] == [[0, 2], [1, 3]]
+        assert [r["node"] for r in data["ranks"]] == [0, 0, 1, 1]
+        (r,) = data["results"]
+        assert r["group"] == kind and r["group_size"] == 2
+        assert math.isclose(r["busbw_GBps"], r["size_bytes"] / r["time_s"] / 1e9 * 1.0, rel_tol=1e-12)
+        assert members  # layout checked above
+
+
+_BASE_PROFILE = """
+name = "test-node"
+description = "a test node"
+
+[gpu]
+name = "TestGPU"
+memory_bytes = 85899345920
+peak_flops = { bf16 = 989e12 }
+hbm_bandwidth_GBps = 3350.0
+
+[node]
+gpus_per_node = 2
+host_ram_bytes = 2199023255552
+pcie_bandwidth_GBps_per_gpu = 64.0
+nvme_bandwidth_GBps = 0.0
+nvme_capacity_bytes = 0
+
+[intra_node]
+name = "NVLink4"
+bandwidth_GBps_per_gpu = 450.0
+latency_us = 3.0
+efficiency = 0.8
+
+[inter_node]
+name = "IB"
+bandwidth_GBps_per_gpu = 50.0
+latency_us = 8.0
+efficiency = 0.8
+
+[overhead]
+cuda_context_bytes = 1073741824
+nccl_bytes = 536870912
+fragmentation_fraction = 0.1
+
+[sources]
+gpu = "test"
+node = "test"
+intra_node = "test"
+inter_node = "test"
+overhead = "test"
+"""
+
+
+@pytest.mark.slow
+def test_save_profile_writes_measured_link_and_output_json(tmp_path):
+    base = tmp_path / "base.toml"
+    base.write_text(_BASE_PROFILE)
+    prof = tmp_path / "measured.toml"
+    out = tmp_path / "sweep.json"
+    data = _run_json("--nproc", "2", "--ops", "all_reduce,all_gather", "--min-bytes", "4K", "--max-bytes", "1M",
+                     "--factor", "4", "--save-profile", str(prof), "--hardware", str(base), "--output", str(out))
+    assert json.loads(out.read_text()) == data
+    saved = tomllib.loads(prof.read_text())
+    link = saved["intra_node"]  # one node -> the sweep measured the intra-node tier
+    assert link["efficiency"] == 1.0
+    fit = data["fit"]["intra_node"]
+    assert math.isclose(link["bandwidth_GBps_per_gpu"], fit["bandwidth_GBps"], rel_tol=1e-6)
+    assert saved["inter_node"]["bandwidth_GBps_per_gpu"] == 50.0  # untouched tier
+    assert saved["gpu"]["memory_bytes"] == 85899345920
+    assert "measured by zeroplan bench collectives on" in saved["sources"]["intra_node.bandwidth_GBps_per_gpu"]
+    # the fitted line reproduces the measured times it was fitted on, within the fit's stated error
+    for r in data["results"]:
+        pred = fit["latency_us"] * 1e-6 + r["size_bytes"] * r["busbw_factor"] / (fit["bandwidth_GBps"] * 1e9)
+        assert abs(pred - r["time_s"]) / r["time_s"] <= fit["max_rel_error"] + 1e-9
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--ops", "all_reduce,bogus"], "--ops"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--min-bytes", "1M", "--max-bytes", "1K"], "--min-bytes"),
+    (["--min-bytes", "lots"], "--min-bytes 'lots'"),
+    (["--factor", "1"], "--factor"),
+    (["--group", "rack"], "--group"),
+    (["--group", "inter"], "--group inter"),
+    (["--nproc", "4", "--gpus-per-node", "3"], "--gpus-per-node 3"),
+    (["--nproc", "100000"], "--nproc 100000"),
+    (["--save-profile", "x.toml"], "--hardware"),
+    (["--straggler-threshold", "0.5"], "--straggler-threshold"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle):
+    result = runner.invoke(app, ["bench", "collectives", "--backend", "gloo", *args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_rank_failure_exits_1_naming_the_rank():
+    env = dict(os.environ, ZEROPLAN_BENCH_DELAY="1:notanumber")
+    result = runner.invoke(app, ["bench", "collectives", "--backend", "gloo", "--nproc", "2", "--max-bytes", "1K",
+                                 "--timeout", "30"], env=env)
+    assert result.exit_code == 1, result.output
+    assert "rank" in result.output and "ValueError" in result.output
+
+
+@pytest.mark.slow
+def test_table_output():
+    result = runner.invoke(app, ["bench", "collectives", "--backend", "gloo", "--nproc", "2", "--ops", "all_reduce",
+                                 "--min-bytes", "1K", "--max-bytes", "2K", "--iters", "2", "--warmup", "0"])
+    assert result.exit_code == 0, result.output
+    assert "busbw GB/s" in result.output and "all_reduce" in result.output and "1 KiB" in result.output

@@ -6,8 +6,9 @@ The report data (what ``--json`` prints and what the HTML is rendered from) is o
   ``inputs`` (the options as given), ``max_nodes``: as in ``zeroplan estimate --json``;
 - ``plans``: one entry per evaluated option at the chosen cluster: ``label``, ``stage``,
   ``offload_optimizer``, ``offload_param``, ``memory`` (per-GPU bytes: ``params``, ``gradients``,
-  ``optimizer_states``, ``model_states``, ``buffers``, ``activations``, ``overhead``, ``peak``),
-  ``peak_phase``, ``peak_reason``, ``fits``, ``headroom_bytes``, ``comm_bytes_per_gpu_per_step``,
+  ``optimizer_states``, ``model_states``, ``buffers``, ``activations``, ``overhead``, ``peak``: the
+  Plan's, model states in steady state), ``memory_at_peak`` (per-GPU bytes by category live in
+  the peak phase, plus ``overhead``; they add up to ``peak``: what the bars show), ``peak_phase``, ``peak_reason``, ``fits``, ``headroom_bytes``, ``comm_bytes_per_gpu_per_step``,
   ``time`` (seconds: ``compute_s``, ``comm_s``, ``exposed_best_s``, ``exposed_worst_s``,
   ``step_time_s``, ``step_time_best_s``, ``step_time_worst_s``; ``comm_share`` (0–1),
   ``tokens_per_s``) or null without a hardware profile;
@@ -53,7 +54,7 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def _plan_summary(p: Any) -> dict[str, Any]:
-    from zeroplan.report.charts import stage_label
+    from zeroplan.report.charts import memory_at_peak, stage_label
 
     m = p.memory
     t = p.time
@@ -64,6 +65,7 @@ def _plan_summary(p: Any) -> dict[str, Any]:
         "offload_param": p.offload_param,
         "memory": {k: int(getattr(m, k)) for k in ("params", "gradients", "optimizer_states", "model_states",
                                                      "buffers", "activations", "overhead", "peak")},
+        "memory_at_peak": {**memory_at_peak(p), "peak": int(m.peak)},
         "peak_phase": m.peak_phase,
         "peak_reason": m.peak_reason,
         "fits": p.fits,
@@ -274,7 +276,7 @@ def register(app: typer.Typer) -> None:
         if svg is not None:
             from zeroplan.report.html import memory_chart_svg
 
-            atomic_write_text(svg, '<?xml version="1.0" encoding="UTF-8"?>\n' + memory_chart_svg(data) + "\n")
+            atomic_write_text(svg, memory_chart_svg(data, standalone=True))
             written.append(svg)
         if json_out:
             print_json(data)

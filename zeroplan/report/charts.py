@@ -21,6 +21,7 @@ __all__ = [
     "MEMORY_CATEGORIES",
     "TIME_PARTS",
     "render_memory_bars",
+    "memory_at_peak",
     "render_time_bars",
     "stage_label",
     "use_ascii",
@@ -58,6 +59,22 @@ _MAX_CAPACITIES_ON_AXIS = 4.0
 
 def _plans(result_or_plans: Any) -> list[Any]:
     return list(getattr(result_or_plans, "stages", result_or_plans))
+
+
+def memory_at_peak(p: Any) -> dict[str, int]:
+    """Per-GPU bytes by category live in the peak phase, plus the overhead allowance; they add
+    up to ``p.memory.peak``. (The Plan's top-level params/gradients/optimizer_states are the
+    steady-state model states; e.g. ZeRO-1/2's gradient partition is not yet live at the start
+    of backward, where the activation peak is.)"""
+    m = p.memory
+    phases = getattr(m, "phases", None)
+    if phases and getattr(m, "peak_phase", None) in phases:
+        cats = dict(phases[m.peak_phase].by_category)
+    else:
+        cats = {c.key: int(getattr(m, c.key)) for c in MEMORY_CATEGORIES if c.key != "overhead"}
+    out = {c.key: int(cats.get(c.key, 0)) for c in MEMORY_CATEGORIES if c.key != "overhead"}
+    out["overhead"] = int(m.overhead)
+    return out
 
 
 def stage_label(p: Any) -> str:
@@ -143,8 +160,9 @@ def _axis_line(label_w: int, bar_w: int, axis_max: float, fmt, ascii_only: bool)
 def render_memory_bars(con: Any, result: Any, *, title: str | None = None) -> None:
     """Stacked bars of per-GPU peak memory by category for each stage, against the GPU capacity.
 
-    Segments: parameters, gradients, optimizer states, buffers and activations at the peak
-    phase, and the framework overhead allowance; they add up to the peak. A marker shows the
+    Segments: parameters, gradients, optimizer states, buffers and activations live in the
+    peak phase (``memory_at_peak``), and the framework overhead allowance; they add up to the
+    peak. A marker shows the
     GPU's memory (``gpu_memory_bytes`` of the Plan); the part of a bar beyond it is drawn in a
     shaded glyph (lower-case letters in ASCII) and the row says by how much it is over.
     """
@@ -174,7 +192,8 @@ def render_memory_bars(con: Any, result: Any, *, title: str | None = None) -> No
     head = title or "Per-GPU peak memory by category (GB = 10^9 bytes)"
     con.print(Text(head, style="bold"))
     for p, label, suffix in zip(plans, labels, suffixes):
-        values = [float(getattr(p.memory, c.key)) for c in MEMORY_CATEGORIES]
+        at_peak = memory_at_peak(p)
+        values = [float(at_peak[c.key]) for c in MEMORY_CATEGORIES]
         cells = _scale_cells(values, axis_max, bar_w)
         cells_out: list[tuple[str, str]] = []
         col = 0

@@ -6,8 +6,8 @@ GB = 10^9 bytes, labelled so. Every chart has a title, axes with units and ticks
 every chart is followed by a table of the numbers behind it. Table cells carry the exact
 value in ``data-value`` (bytes, seconds or a fraction) so tools can read them back.
 
-The SVG fragments are well-formed XML (each ``<svg>`` carries its own xmlns) so they can be
-cut out and used alone; ``memory_chart_svg`` is what ``--svg`` writes.
+The SVG fragments are well-formed XML; inline in HTML they need no namespace (so the page holds
+no URL at all); ``memory_chart_svg(data, standalone=True)`` is the file ``--svg`` writes.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class _Svg:
     def __init__(self, width: int, height: int, title: str, ident: str) -> None:
         self.width, self.height, self.ident = width, height, ident
         self.parts = [
-            f'<svg xmlns="http://www.w3.org/2000/svg" id="{_e(ident)}" class="chart" width="{width}" '
+            f'<svg id="{_e(ident)}" class="chart" width="{width}" '
             f'height="{height}" viewBox="0 0 {width} {height}" role="img" aria-label="{_e(title)}" '
             f'style="{_FONT}">',
             f"<title>{_e(title)}</title>",
@@ -159,9 +159,12 @@ def _legend(svg: _Svg, items: Sequence[tuple[str, str, str]], x0: float, y0: flo
 # ---------------------------------------------------------------- bar charts at the chosen cluster
 
 
-def memory_chart_svg(data: dict[str, Any], width: int = 960) -> str:
+def memory_chart_svg(data: dict[str, Any], width: int = 960, standalone: bool = False) -> str:
     """Stacked horizontal bars: per-GPU peak memory by category for each evaluated option,
-    with the GPU capacity as a red line; the part of a bar beyond it is hatched."""
+    with the GPU capacity as a red line; the part of a bar beyond it is hatched.
+
+    ``standalone``: an SVG file of its own (XML declaration and the SVG namespace, which an
+    SVG file needs and HTML does not; the namespace is an identifier, nothing is fetched)."""
     plans = data["plans"]
     capacity = data["cluster"].get("gpu_memory_bytes")
     peaks = [p["memory"]["peak"] for p in plans]
@@ -193,7 +196,7 @@ def memory_chart_svg(data: dict[str, Any], width: int = 960) -> str:
         svg.label(left - 10, y + bar_h / 2 + 5, p["label"], anchor="end", size=13, weight="bold")
         acc = 0.0
         for cat in MEMORY_CATEGORIES:
-            v = float(p["memory"][cat.key])
+            v = float(p["memory_at_peak"][cat.key])
             if v <= 0:
                 continue
             x0, x1 = sx(acc), sx(acc + v)
@@ -223,7 +226,11 @@ def memory_chart_svg(data: dict[str, Any], width: int = 960) -> str:
     if capacity:
         items.append(("beyond the GPU memory", "#ffffff", "hatch:hatch-over"))
     _legend(svg, items, left, bottom + 66, plot_w + right - 20)
-    return svg.text()
+    text = svg.text()
+    if standalone:
+        text = ('<?xml version="1.0" encoding="UTF-8"?>\n'
+                + text.replace("<svg ", '<svg xmlns="http://www.w3.org/2000/svg" ', 1) + "\n")
+    return text
 
 
 def time_chart_svg(data: dict[str, Any], width: int = 960) -> str | None:
@@ -452,20 +459,23 @@ def _table(ident: str, caption: str, head: Sequence[str], rows: Sequence[str]) -
 
 def _memory_table(data: dict[str, Any]) -> str:
     cats = [c for c in MEMORY_CATEGORIES]
-    head = ["option"] + [f"{c.label} (GB)" for c in cats] + ["model states (GB)", "peak (GB)", "peak phase", "fits"]
+    head = (["option"] + [f"{c.label} at peak (GB)" for c in cats]
+            + ["peak (GB)", "peak phase", "fits", "model states, steady (GB)"])
     rows = []
     for p in data["plans"]:
-        m = p["memory"]
+        m = p["memory_at_peak"]
         cells = [f"<th>{_e(p['label'])}</th>"]
         cells += [_td(f"{m[c.key] / GB:,.2f}", m[c.key], key=c.key, stage=p["stage"]) for c in cats]
-        cells.append(_td(f"{m['model_states'] / GB:,.2f}", m["model_states"], key="model_states", stage=p["stage"]))
         cells.append(_td(f"{m['peak'] / GB:,.2f}", m["peak"], key="peak", stage=p["stage"]))
         cells.append(_td(p["peak_phase"]))
         fits = p.get("fits")
         cells.append(_td("—" if fits is None else ("yes" if fits else "NO"), None if fits is None else int(fits),
                          key="fits", stage=p["stage"]))
+        ms = p["memory"]["model_states"]
+        cells.append(_td(f"{ms / GB:,.2f}", ms, key="model_states", stage=p["stage"]))
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    return _table("table-memory", "Per-GPU memory at the peak phase (GB = 10^9 bytes; data-value: bytes)", head, rows)
+    return _table("table-memory", "Per-GPU memory live in the peak phase, by category (GB = 10^9 bytes; data-value: bytes). Model states "
+                  "(steady state: parameters + gradients + optimizer states, as the ZeRO paper counts them) for comparison", head, rows)
 
 
 def _time_table(data: dict[str, Any]) -> str:
@@ -586,8 +596,9 @@ def render_report_html(data: dict[str, Any]) -> str:
         f"needs no network.</p>",
         _inputs_section(data),
         '<section id="memory"><h2>Per-GPU memory at the chosen cluster</h2>',
-        '<p class="units">Bars add up to the peak over forward, backward and optimizer step; buffers and '
-        "activations are those live at that peak; overhead is the profile's allowance (CUDA context, NCCL, "
+        '<p class="units">Each bar is the peak over forward, backward and optimizer step, split into what is '
+        "live in that phase (e.g. ZeRO-1/2's gradient partition is not yet allocated at the start of backward, "
+        "where the activations peak), plus the profile's overhead allowance (CUDA context, NCCL, "
         "fragmentation).</p>",
         f'<div class="figure">{memory_chart_svg(data)}</div>',
         _memory_table(data),

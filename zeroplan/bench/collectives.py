@@ -325,7 +325,7 @@ def run_collectives(cfg: BenchConfig, *, nproc: int = 2, backend: str = "auto", 
                       else cfg.gpus_per_node)
         per_rank = join_torchrun(bench_rank, args=(cfg.model_dump_json(), None), backend=backend,
                                  timeout_s=timeout_s)
-        if int(os.environ["RANK"]) != 0:
+        if per_rank is None:  # not rank 0
             return None
         return aggregate(per_rank, cfg, backend=backend, launcher="torchrun")
     if cfg.gpus_per_node is None:

@@ -151,19 +151,26 @@ def collectives(
 @handle_errors
 def zero(
     model: str = typer.Option(..., "--model", help="Catalog name, HF config.json path, or a count like 125M."),
-    hardware: Optional[str] = typer.Option(None, "--hardware", help="Profile name or TOML path."),
-    stage: Optional[str] = typer.Option(None, "--stage", help="ZeRO stage(s): 0,1,2,3 or a comma list."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="ZeRO stage(s): 0, 1, 2, 3 or a comma list."),
     ds_config: Optional[str] = typer.Option(None, "--ds-config", help="DeepSpeed JSON config."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="Profile name or TOML path (predicted step time)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16 or fp16."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer preset."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer preset (the engine runs adamw)."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len"),
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps to run per stage."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Measured optimizer steps per stage."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Unmeasured optimizer steps first."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model to this many layers."),
+    hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the model to this hidden size."),
     nproc: int = typer.Option(2, "--nproc", help="Local ranks (ignored under torchrun)."),
-    backend: str = typer.Option("auto", "--backend", help="auto, nccl or gloo."),
+    simulate: bool = typer.Option(False, "--simulate", help="Trace one rank at --gpus ranks without real peers."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="World size to simulate with --simulate."),
+    backend: str = typer.Option("auto", "--backend", help="auto (nccl if CUDA is available, else gloo), nccl or gloo."),
     comm_model: str = typer.Option("deepspeed", "--comm-model", help="deepspeed or paper."),
+    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Per-rank tensor-memory cap (bytes)."),
     tolerance: Optional[float] = typer.Option(None, "--tolerance", help="Relative error that fails the run."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds before hung ranks are killed."),
     output: Optional[str] = typer.Option(None, "--output", help="Write the JSON report to this file (atomic)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
 ) -> None:
@@ -172,10 +179,11 @@ def zero(
         from zeroplan.bench.validate import run_bench_zero_cli
     except ImportError as exc:
         raise InputError(f"bench zero is not available in this build ({exc})") from None
-    options = dict(model=model, hardware=hardware, stage=stage, ds_config=ds_config, precision=precision,
+    options = dict(model=model, stage=stage, ds_config=ds_config, hardware=hardware, precision=precision,
                    optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
-                   steps=steps, nproc=nproc, backend=backend, comm_model=comm_model, tolerance=tolerance,
-                   output=output, json_out=json_out)
+                   steps=steps, warmup=warmup, layers=layers, hidden=hidden, nproc=nproc, simulate=simulate,
+                   gpus=gpus, backend=backend, comm_model=comm_model, memory_limit=memory_limit,
+                   tolerance=tolerance, timeout=timeout, output=output, json_out=json_out)
     code = run_bench_zero_cli(**options)
     if code:
         raise typer.Exit(int(code))

@@ -399,11 +399,13 @@ def _gather_json(value: Any, backend: str) -> list[Any]:
 
 
 def join_torchrun(fn: Callable[..., Any], *, args: tuple = (), backend: str = "auto",
-                  timeout_s: float = 120) -> list[Any]:
+                  timeout_s: float = 120) -> list[Any] | None:
     """Under torchrun: init the group from the environment, run ``fn(rank, world_size, *args)``
-    for this rank, and return every rank's JSON result in rank order (on every rank; print on rank 0).
+    for this rank, and gather every rank's JSON result.
 
-    Process-group timeout ``timeout_s`` seconds. The group is destroyed before returning.
+    Returns the results in rank order on rank 0 and ``None`` on every other rank (rank 0
+    reports). Process-group timeout ``timeout_s`` seconds; the group is destroyed before
+    returning when this call created it.
     """
     import torch
     import torch.distributed as dist
@@ -416,7 +418,8 @@ def join_torchrun(fn: Callable[..., Any], *, args: tuple = (), backend: str = "a
     _init_from_env(backend, timeout_s)
     try:
         value = fn(dist.get_rank(), dist.get_world_size(), *args)
-        return _gather_json(value, backend)
+        results = _gather_json(value, backend)
+        return results if dist.get_rank() == 0 else None
     finally:
         if owns:
             try:

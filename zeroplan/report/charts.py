@@ -32,24 +32,26 @@ __all__ = [
 class _Part:
     key: str  # attribute name (memory) or part name (time)
     label: str
-    color: str  # rich colour, also used as the hex fill in the HTML report
+    color: str  # hex fill in the HTML report
+    term: str  # rich colour name for the terminal: one of the 16 standard colours, so that
+    #            parts stay distinct on 8/16-colour terminals too (hex would collapse to grey)
     letter: str  # ASCII fallback glyph (upper case; lower case past the capacity)
 
 
-# Order = stacking order, left to right. The HTML report uses the same colours.
+# Order = stacking order, left to right. The HTML report uses the same hues.
 MEMORY_CATEGORIES: tuple[_Part, ...] = (
-    _Part("params", "parameters", "#4e79a7", "P"),
-    _Part("gradients", "gradients", "#59a14f", "G"),
-    _Part("optimizer_states", "optimizer states", "#b07aa1", "O"),
-    _Part("buffers", "buffers", "#edc948", "B"),
-    _Part("activations", "activations", "#76b7b2", "A"),
-    _Part("overhead", "overhead", "#9c9c9c", "X"),
+    _Part("params", "parameters", "#4e79a7", "blue", "P"),
+    _Part("gradients", "gradients", "#59a14f", "green", "G"),
+    _Part("optimizer_states", "optimizer states", "#b07aa1", "magenta", "O"),
+    _Part("buffers", "buffers", "#edc948", "yellow", "B"),
+    _Part("activations", "activations", "#76b7b2", "cyan", "A"),
+    _Part("overhead", "overhead", "#9c9c9c", "bright_black", "X"),
 )
 
 TIME_PARTS: tuple[_Part, ...] = (
-    _Part("compute", "compute", "#59a14f", "C"),
-    _Part("exposed_best", "exposed comm (best case)", "#e15759", "E"),
-    _Part("worst_extra", "extra exposed comm in the worst case", "#f28e2b", "w"),
+    _Part("compute", "compute", "#59a14f", "green", "C"),
+    _Part("exposed_best", "exposed comm (best case)", "#e15759", "red", "E"),
+    _Part("worst_extra", "extra exposed comm in the worst case", "#f28e2b", "yellow", "w"),
 )
 
 # Axis of the memory chart: at most this many GPU capacities wide, so one huge ZeRO-0 bar does
@@ -205,7 +207,7 @@ def render_memory_bars(con: Any, result: Any, *, title: str | None = None) -> No
                 elif ascii_only:
                     cells_out.append((cat.letter.lower() if past else cat.letter, ""))
                 else:
-                    cells_out.append(("▓", f"{cat.color} on #5a1010") if past else ("█", cat.color))
+                    cells_out.append(("▓", f"{cat.term} on dark_red") if past else ("█", cat.term))
                 col += 1
         while col < bar_w:
             if cap_cell is not None and col == cap_cell:
@@ -230,7 +232,7 @@ def render_memory_bars(con: Any, result: Any, *, title: str | None = None) -> No
         if ascii_only:
             legend.append(f"{cat.letter}={cat.label}  ")
         else:
-            legend.append("█", style=cat.color)
+            legend.append("█", style=cat.term)
             legend.append(f" {cat.label}  ")
     con.print(legend)
     notes = ["x axis: GB per GPU (10^9 bytes)"]
@@ -296,7 +298,7 @@ def render_time_bars(con: Any, result: Any, *, title: str | None = None) -> None
             if ascii_only:
                 line.append(part.letter * n)
             else:
-                line.append(("░" if part.key == "worst_extra" else "█") * n, style=part.color)
+                line.append(("░" if part.key == "worst_extra" else "█") * n, style=part.term)
         line.append(" " * (bar_w - sum(cells)))
         if wrap:
             con.print(line, no_wrap=True, overflow="crop")
@@ -310,7 +312,7 @@ def render_time_bars(con: Any, result: Any, *, title: str | None = None) -> None
         if ascii_only:
             legend.append(f"{part.letter}={part.label}  ")
         else:
-            legend.append("░" if part.key == "worst_extra" else "█", style=part.color)
+            legend.append("░" if part.key == "worst_extra" else "█", style=part.term)
             legend.append(f" {part.label}  ")
     con.print(legend)
     con.print(Text(" " * (label_w + 2) + "x axis: seconds per optimizer step; printed: estimate (best-worst), "

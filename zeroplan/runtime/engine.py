@@ -84,6 +84,25 @@ def greedy_buckets(sizes: list[int], bucket_elems: int) -> list[list[int]]:
     return out
 
 
+def greedy_buckets_after(sizes: list[int], bucket_elems: int) -> list[list[int]]:
+    """Indices per bucket: add, then flush once the running size exceeds the bucket."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    cur_n = 0
+    for i, n in enumerate(sizes):
+        cur.append(i)
+        cur_n += n
+        if cur_n > bucket_elems:
+            out.append(cur)
+            cur, cur_n = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+STAGE0_BUCKET_ELEMS = 500_000_000  # DeepSpeed's stage-0 all-reduce bucket, independent of reduce_bucket_size
+
+
 def _get(obj: Any, name: str, default: Any) -> Any:
     v = getattr(obj, name, default) if obj is not None else default
     return default if v is None else v
@@ -140,8 +159,9 @@ class ZeroEngine:
             offload_optimizer = _device_of(_get(zero, "offload_optimizer", None)) != "none"
         self.offload = bool(offload_optimizer) and self.stage >= 1
         self.contiguous = bool(_get(zero, "contiguous_gradients", True)) or self.offload
-        self.multi_rank = bool(_get(zero, "use_multi_rank_bucket_allreduce", True)) or not bool(
-            _get(zero, "reduce_scatter", True))
+        self.reduce_scatter_cfg = bool(_get(zero, "reduce_scatter", True))
+        self.multi_rank = bool(_get(zero, "use_multi_rank_bucket_allreduce", True)) or not self.reduce_scatter_cfg
+        self.mixed = precision != "fp32"
         self.step_count = 0
         self.micro_step = 0
 
@@ -171,8 +191,18 @@ class ZeroEngine:
         t = (torch.zeros if zero else torch.empty)(n, dtype=dtype or self.dtype, device=self.device)
         return self._tag(t, cat)
 
+    def _host(self) -> Any:
+        """A context in which new tensors are host memory when the optimizer is offloaded."""
+        import contextlib
+
+        return self.meter.host_scope() if self.offload else contextlib.nullcontext()
+
     def _opt_state(self, init: Any) -> tuple[Any, Any, Any]:
         """fp32 master (copy of ``init``), m, v on the optimizer device."""
+        with self._host():
+            return self._opt_state_inner(init)
+
+    def _opt_state_inner(self, init: Any) -> tuple[Any, Any, Any]:
         torch = self.torch
         host = self.offload
         master = init.to(device=self._opt_dev, dtype=torch.float32, copy=True)
@@ -201,14 +231,18 @@ class ZeroEngine:
         self.master, self.m, self.v = self._opt_state(self.flat_param)
         self.part_lo, self.part_n = 0, self.psi
         self.flat_grad = None
-        self.buckets = self._flat_buckets()
+        if self.ds:  # DeepSpeed's allreduce_no_retain: constant 5e8 elements, forward order, flush after adding
+            self.buckets = self._flat_buckets("forward", STAGE0_BUCKET_ELEMS, after=True)
+        else:
+            self.buckets = self._flat_buckets("reverse", self.rbs)
 
-    def _flat_buckets(self) -> list[tuple[int, int, list[int]]]:
-        """(lo, hi, param indices) per gradient bucket, canonical order, flat coordinates."""
-        order = self._ready_order()
+    def _flat_buckets(self, order: str, cap: int, after: bool = False) -> list[tuple[int, int, list[int]]]:
+        """(lo, hi, param indices) per gradient bucket in ``order``, flat coordinates."""
+        seq = list(range(len(self.params))) if order == "forward" else self._ready_order()
         out = []
-        for idx in greedy_buckets([self.numels[i] for i in order], self.rbs):
-            ps = [order[k] for k in idx]
+        split = greedy_buckets_after if after else greedy_buckets
+        for idx in split([self.numels[i] for i in seq], cap):
+            ps = [seq[k] for k in idx]
             lo = min(self.offsets[i] for i in ps)
             hi = max(self.offsets[i] + self.numels[i] for i in ps)
             out.append((lo, hi, ps))
@@ -244,11 +278,13 @@ class ZeroEngine:
                 off += k
         self.master, self.m, self.v = self._opt_state(self.flat_param[self.part_lo:self.part_lo + self.part_n])
         if self.offload:
-            self.grad32_host = self._tag(torch.zeros(self.part_n, dtype=torch.float32, device=self.host),
-                                         "optimizer_states", host=True)
+            with self._host():
+                self.grad32_host = self._tag(torch.zeros(self.part_n, dtype=torch.float32, device=self.host),
+                                             "optimizer_states", host=True)
         self.flat_grad = None
         self.grad_part = None
-        self.buckets = self._flat_buckets()
+        # stage 1 without overlap reduces after backward in parameter order; hooks give reverse order
+        self.buckets = self._flat_buckets("forward" if self.stage == 1 and not self.overlap else "reverse", self.rbs)
         self.ipg: list[Any] = []
         self._pending: list[tuple[Any, Any, Any]] = []
         if self.stage == 2 and self.ds:
@@ -263,18 +299,34 @@ class ZeroEngine:
 
     def _grad_part(self) -> Any:
         if self.grad_part is None:
-            self.grad_part = self._empty(self.part_n, "gradients", zero=True)
+            self.grad_part = self._new_grad_part()
         return self.grad_part
+
+    def _new_grad_part(self) -> Any:
+        """The bit16 gradient partition: on the device, or on the host with optimizer offload."""
+        if not self.offload:
+            return self._empty(self.part_n, "gradients", zero=True)
+        with self._host():
+            t = self.torch.zeros(self.part_n, dtype=self.dtype, device=self.host)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return self._tag(t, "gradients", host=True)
 
     def _owned(self, lo: int, hi: int) -> tuple[int, int] | None:
         a, b = max(lo, self.part_lo), min(hi, self.part_lo + self.part_n)
         return (a, b) if a < b else None
 
     def _reduce_bucket_12(self, k: int, source: Any) -> None:
-        """Reduce bucket k (flat [lo, hi)); ``source(i)`` gives param i's gradient (flat view)."""
+        """Reduce bucket k (flat [lo, hi)); ``source(i)`` gives param i's gradient (flat view).
+
+        The bucket is sliced at owner-partition boundaries; with multi-rank all-reduce the
+        slices are packed (flush after adding once over ``reduce_bucket_size``) into
+        all-reduces of a flatten copy; otherwise every slice is ``reduce``d to its owner.
+        """
         torch = self.torch
         lo, hi, ps = self.buckets[k]
         size = hi - lo
+        slot = None
         if self.contiguous and size <= self.rbs:
             slot = self._ipg_slot
             self._ipg_slot = (slot + 1) % len(self.ipg)
@@ -282,27 +334,45 @@ class ZeroEngine:
             buf = self.ipg[slot][:size]
             for i in ps:
                 buf[self.offsets[i] - lo:self.offsets[i] - lo + self.numels[i]].copy_(source(i))
-            flat = self._tag(buf.clone(), "buffers")  # DeepSpeed's flatten copy in allreduce_bucket
         else:
-            slot = None
-            flat = self._tag(torch.cat([source(i) for i in sorted(ps, key=lambda j: self.offsets[j])]), "buffers")
-        if self.multi_rank:
-            async_op = self.overlap and slot is not None
-            h = self.comm.all_reduce(flat, async_op=async_op)
-            item = (h, flat, (lo, hi))
-            if async_op:
-                self._pending.append((slot, item))
-            else:
-                self._finish_12(item)
-        else:
+            buf = self._tag(torch.cat([source(i) for i in sorted(ps, key=lambda j: self.offsets[j])]), "buffers")
+        if self.reduce_scatter_cfg:
+            slices = []
             a = lo
             while a < hi:
-                owner = a // self.part_n
-                b = min(hi, (owner + 1) * self.part_n)
-                self.comm.reduce(flat[a - lo:b - lo], dst=owner)
-                if owner == self.rank:
-                    self._accumulate_owned(flat[a - lo:b - lo], a, b)
+                b = min(hi, (a // self.part_n + 1) * self.part_n)
+                slices.append((a, b))
                 a = b
+        else:
+            slices = [(lo, hi)]
+        if self.multi_rank:
+            groups: list[tuple[int, int]] = []
+            start, run = None, 0
+            for a, b in slices:
+                start = a if start is None else start
+                run += b - a
+                if run > self.rbs:
+                    groups.append((start, b))
+                    start, run = None, 0
+            if start is not None:
+                groups.append((start, slices[-1][1]))
+            async_op = self.overlap and slot is not None
+            for a, b in groups:
+                flat = self._tag(buf[a - lo:b - lo].clone(), "buffers")  # DeepSpeed's flatten copy
+                h = self.comm.all_reduce(flat, async_op=async_op)
+                item = (h, flat, (a, b))
+                if async_op:
+                    self._pending.append((slot, item))
+                else:
+                    self._finish_12(item)
+        else:
+            for a, b in slices:
+                owner = a // self.part_n
+                piece = buf[a - lo:b - lo]
+                self.comm.reduce(piece, dst=owner)
+                if owner == self.rank:
+                    self._accumulate_owned(piece, a, b)
+        del buf
 
     def _wait_slot(self, slot: int) -> None:
         keep = []
@@ -333,7 +403,7 @@ class ZeroEngine:
         if self.stage == 1:
             self.flat_grad[a:b].copy_(reduced)
         else:
-            self._grad_part()[a - self.part_lo:b - self.part_lo].add_(reduced)
+            self._grad_part()[a - self.part_lo:b - self.part_lo].add_(reduced.to(self.grad_part.device))
 
     def _reduce_all_12(self, source: Any) -> None:
         """Reduce every bucket in canonical order (stage 1 at the boundary, stage 2 paper)."""
@@ -435,91 +505,108 @@ class ZeroEngine:
             self.part_offsets.append(off)
             off += c
         self.lp = self._empty(self.part_n, "params", zero=True)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                c = self.chunk[i]
-                full = torch.zeros(c * n, dtype=self.dtype, device=self.device)
-                full[:self.numels[i]].copy_(p.detach().reshape(-1))
-                self.lp[self.part_offsets[i]:self.part_offsets[i] + c].copy_(full[self.rank * c:(self.rank + 1) * c])
-                del full
-        self.master, self.m, self.v = self._opt_state(self.lp)
-        if self.offload:
-            self.grad32_host = self._tag(torch.zeros(self.part_n, dtype=torch.float32, device=self.host),
-                                         "optimizer_states", host=True)
-        self.grad_part = self._empty(self.part_n, "gradients", zero=True)
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                if self.persistent[i]:
-                    full = p.detach().clone()
-                    p.data = self._tag(full, "params")
+                c = self.chunk[i]
+                full = self._tag(torch.zeros(c * n, dtype=self.dtype, device=self.device), "params")
+                full[:self.numels[i]].copy_(p.detach().reshape(-1))
+                self.lp[self.part_offsets[i]:self.part_offsets[i] + c].copy_(full[self.rank * c:(self.rank + 1) * c])
+                if self.persistent[i]:  # kept whole, stored padded to p̂ (the post-step gather writes in place)
+                    p.data = full[:self.numels[i]].view(self.shapes[i])
                 else:
                     p.data = self._placeholder
-        # gather units: (unit name, [param indices of non-persistent params])
+                del full
+        self.master, self.m, self.v = self._opt_state(self.lp)
+        if self.offload:
+            with self._host():
+                self.grad32_host = self._tag(torch.zeros(self.part_n, dtype=torch.float32, device=self.host),
+                                             "optimizer_states", host=True)
+        self.grad_part = self._new_grad_part()
+        self.live = [bool(x) for x in self.persistent]
+        # modules (units) in forward order; D(i) = 2·Σ_{j>i} numel_j over all params of later modules
         idx_of = {id(p): i for i, p in enumerate(self.params)}
         self.unit_params: list[list[int]] = []
-        self.unit_names: list[str] = []
-        unit_of_param: dict[int, int] = {}
-        for name, _mod, ps in self.units:
-            gathered = [idx_of[id(p)] for _, p in ps if not self.persistent[idx_of[id(p)]]]
-            if gathered:
-                for i in gathered:
-                    unit_of_param[i] = len(self.unit_params)
-                self.unit_names.append(name)
-                self.unit_params.append(gathered)
-        gathered_numel = [sum(self.chunk[i] * n for i in ps) for ps in self.unit_params]
+        unit_numel: list[int] = []
+        self.unit_of_param: dict[int, int] = {}
+        for _name, _mod, ps in self.units:
+            idx = [idx_of[id(p)] for _, p in ps]
+            for i in idx:
+                self.unit_of_param[i] = len(self.unit_params)
+            self.unit_params.append([i for i in idx if not self.persistent[i]])
+            unit_numel.append(sum(self.numels[i] for i in idx))
+        nonpers = [i for i in range(len(self.params)) if not self.persistent[i]]
+        max_live = int(_get(self.zero, "max_live_parameters", 1_000_000_000))
+        prefetch = int(_get(self.zero, "prefetch_bucket_size", 50_000_000))
         reuse = int(_get(self.zero, "max_reuse_distance", 1_000_000_000))
-        after = 0
-        self.unit_kept = [False] * len(self.unit_params)
-        for u in range(len(self.unit_params) - 1, -1, -1):
-            self.unit_kept[u] = self.ds and 2 * after <= reuse
-            after += gathered_numel[u]
-        self.unit_live = [False] * len(self.unit_params)
-        self.unit_pending = [0] * len(self.unit_params)  # grads not yet reduced this backward
-        # use-sites: modules whose forward reads a unit's params
+        bound = min(max_live, prefetch)
+        nu = len(self.unit_params)
+        if not self.ds:  # paper: one gather per module in forward, again in backward
+            chunks = [ps for ps in self.unit_params if ps]
+            self.regather = [bool(ps) for ps in self.unit_params]
+        elif bound > 0 and sum(self.numels[i] for i in nonpers) < bound:  # everything fits one prefetch
+            chunks = [nonpers] if nonpers else []
+            self.regather = [False] * nu
+        else:
+            if bound <= 0:
+                chunks = [ps for ps in self.unit_params if ps]
+            else:  # consecutive params, each chunk closed once its unpadded numel reaches the bound
+                chunks, cur, run = [], [], 0
+                for i in nonpers:
+                    cur.append(i)
+                    run += self.numels[i]
+                    if run >= bound:
+                        chunks.append(cur)
+                        cur, run = [], 0
+                if cur:
+                    chunks.append(cur)
+            self.regather = [False] * nu
+            after = 0
+            for u in range(nu - 1, -1, -1):
+                self.regather[u] = bool(self.unit_params[u]) and 2 * after >= reuse
+                after += unit_numel[u]
+        self.chunks = chunks
+        self.chunk_of = {i: c for c, ps in enumerate(chunks) for i in ps}
+        # use-sites: modules whose forward reads a unit's non-persistent params
         self.sites: dict[int, list[int]] = {}
         for mod in self.model.modules():
             us = set()
-            for p in mod.parameters(recurse=False):
-                u = unit_of_param.get(idx_of.get(id(p), -1))
-                if u is not None:
-                    us.add(u)
-            src = getattr(mod, "_source", None)
-            if src is not None:
-                for p in src.parameters(recurse=False):
-                    u = unit_of_param.get(idx_of.get(id(p), -1))
-                    if u is not None:
-                        us.add(u)
+            owners = [mod] + ([mod._source] if getattr(mod, "_source", None) is not None else [])
+            for o in owners:
+                for p in o.parameters(recurse=False):
+                    i = idx_of.get(id(p))
+                    if i is not None and not self.persistent[i]:
+                        us.add(self.unit_of_param[i])
             if us:
                 self.sites[id(mod)] = sorted(us)
                 self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(mod.register_forward_hook(self._post_forward))
-        self.unit_uses = [0] * len(self.unit_params)
+        self.unit_uses = [0] * nu
         for us in self.sites.values():
             for u in us:
                 self.unit_uses[u] += 1
-        self.unit_seen = [0] * len(self.unit_params)
-        self.unit_of_param = unit_of_param
-        # reduce-scatter buckets over padded sizes, canonical order
+        self.unit_seen = [0] * nu
+        self.unit_pending = [0] * nu
+        # reduce-scatter buckets over padded sizes, gradient-ready order
         order = self._ready_order()
-        self.buckets = []
-        for idx in greedy_buckets([self.chunk[i] * n for i in order], self.rbs):
-            self.buckets.append((0, 0, [order[k] for k in idx]))
+        self.buckets = [(0, 0, [order[k] for k in idx])
+                        for idx in greedy_buckets([self.chunk[i] * n for i in order], self.rbs)]
         self.ipg = [self._empty(self.rbs, "buffers")] if self.contiguous else []
         self._install_grad_hooks()
 
     # forward / backward hooks
     def _pre_forward(self, mod: Any, args: Any) -> None:
         for u in self.sites[id(mod)]:
-            if not self.unit_live[u]:
-                self._gather_unit(u)
+            for i in self.unit_params[u]:
+                if not self.live[i]:
+                    self._gather_params([j for j in self.chunks[self.chunk_of[i]] if not self.live[j]])
 
     def _post_forward(self, mod: Any, args: Any, out: Any) -> Any:
         us = self.sites[id(mod)]
         for u in us:
             self.unit_seen[u] += 1
-            if self.unit_seen[u] == self.unit_uses[u] and not self.unit_kept[u]:
-                self._release_unit(u)
+            if self.unit_seen[u] == self.unit_uses[u] and self.regather[u]:
+                self._release(self.unit_params[u])
         torch = self.torch
         if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
             return _PreBackward.apply(self, tuple(us), out)
@@ -528,21 +615,22 @@ class ZeroEngine:
     def _pre_backward(self, units: tuple[int, ...]) -> None:
         with self.comm.in_phase("backward"):
             for u in units:
-                if not self.unit_live[u]:
-                    self._gather_unit(u)
+                missing = [i for i in self.unit_params[u] if not self.live[i]]
+                if missing:
+                    self._gather_params(missing)
 
-    def _gather_unit(self, u: int) -> None:
+    def _gather_params(self, ps: list[int]) -> None:
+        """One all-gather of the params ``ps`` (Σp̂ elements); each param becomes a full tensor."""
         torch = self.torch
         n = self.n
-        ps = self.unit_params[u]
         with torch.no_grad():
-            if len(ps) == 1:
+            if len(ps) == 1:  # the param is a view into its padded buffer
                 i = ps[0]
                 c = self.chunk[i]
                 out = self._empty(c * n, "buffers")
                 self.comm.all_gather(out, self.lp[self.part_offsets[i]:self.part_offsets[i] + c])
                 self.params[i].data = out[:self.numels[i]].view(self.shapes[i])
-            else:
+            else:  # coalesced: a flat buffer, then one copy per param (the ~2x transient)
                 width = sum(self.chunk[i] for i in ps)
                 inp = self._tag(torch.cat([self.lp[self.part_offsets[i]:self.part_offsets[i] + self.chunk[i]]
                                            for i in ps]), "buffers")
@@ -556,41 +644,39 @@ class ZeroEngine:
                     self.params[i].data = full[:self.numels[i]].view(self.shapes[i])
                     col += c
                 del inp, out, grid
-        self.unit_live[u] = True
+        for i in ps:
+            self.live[i] = True
 
-    def _release_unit(self, u: int) -> None:
-        for i in self.unit_params[u]:
-            self.params[i].data = self._placeholder
-        self.unit_live[u] = False
+    def _release(self, ps: list[int]) -> None:
+        for i in ps:
+            if not self.persistent[i]:
+                self.params[i].data = self._placeholder
+                self.live[i] = False
 
     def _flush_bucket_3(self, k: int) -> None:
         torch = self.torch
         n = self.n
         _, _, ps = self.buckets[k]
-        widths = [self.chunk[i] for i in ps]
-        total = sum(widths) * n
+        total = sum(self.chunk[i] for i in ps) * n
         with torch.no_grad():
             if self.contiguous and total <= self.rbs:
                 buf = self.ipg[0][:total]
+                pieces = []
                 pos = 0
                 for i in ps:
                     seg = buf[pos:pos + self.chunk[i] * n]
                     seg[:self.numels[i]].copy_(self.params[i].grad.reshape(-1))
                     seg[self.numels[i]:].zero_()
+                    pieces.append(seg.view(n, self.chunk[i]))
                     pos += self.chunk[i] * n
-                pieces = []
-                pos = 0
-                for i in ps:
-                    pieces.append(buf[pos:pos + self.chunk[i] * n].view(n, self.chunk[i]))
-                    pos += self.chunk[i] * n
-                inter = self._tag(torch.cat(pieces, dim=1).reshape(-1), "buffers")  # rank-major copy
             else:
                 pieces = []
                 for i in ps:
                     g = self.params[i].grad.reshape(-1)
                     pad = self.chunk[i] * n - self.numels[i]
                     pieces.append((torch.nn.functional.pad(g, (0, pad)) if pad else g).view(n, self.chunk[i]))
-                inter = self._tag(torch.cat(pieces, dim=1).reshape(-1), "buffers")
+            inter = self._tag(torch.cat(pieces, dim=1).reshape(-1), "buffers")  # rank-major interleaved copy
+            del pieces
             for i in ps:
                 self.params[i].grad = None
             out = self._empty(total // n, "buffers")
@@ -600,14 +686,14 @@ class ZeroEngine:
             col = 0
             for i in ps:
                 c = self.chunk[i]
-                self.grad_part[self.part_offsets[i]:self.part_offsets[i] + c].add_(out[col:col + c])
+                self.grad_part[self.part_offsets[i]:self.part_offsets[i] + c].add_(
+                    out[col:col + c].to(self.grad_part.device))
                 col += c
         for i in ps:
-            u = self.unit_of_param.get(i)
-            if u is not None:
-                self.unit_pending[u] -= 1
-                if self.unit_pending[u] == 0 and self.unit_live[u]:
-                    self._release_unit(u)
+            u = self.unit_of_param[i]
+            self.unit_pending[u] -= 1
+            if self.unit_pending[u] == 0:
+                self._release(self.unit_params[u])
 
     # ------------------------------------------------------------------ training step
     def train_step(self, batches: list[Any]) -> StepResult:
@@ -655,7 +741,9 @@ class ZeroEngine:
             self._begin_backward_hooks()
         elif self.stage == 3:
             self._begin_backward_hooks()
-            self.unit_pending = [len(ps) for ps in self.unit_params]
+            self.unit_pending = [0] * len(self.unit_params)
+            for i in range(len(self.params)):
+                self.unit_pending[self.unit_of_param[i]] += 1
 
     def _after_backward(self) -> None:
         if self.stage == 2:
@@ -671,9 +759,7 @@ class ZeroEngine:
         elif self.stage == 3:
             if self._ptr != len(self.params):
                 raise RuntimeError("stage 3: some parameters received no gradient in backward")
-            for u in range(len(self.unit_params)):
-                if self.unit_live[u]:
-                    self._release_unit(u)
+            self._release([i for i in range(len(self.params)) if self.live[i]])
 
     def _boundary(self) -> None:
         """Gradient reduction once per optimizer step (stages 0 and 1)."""
@@ -699,7 +785,7 @@ class ZeroEngine:
             master.mul_(1 - self.lr * self.wd)
         m.mul_(b1).add_(g32, alpha=1 - b1)
         v.mul_(b2).addcmul_(g32, g32, value=1 - b2)
-        denom = self._tag(v.sqrt(), "buffers")  # the one fp32 temporary of the group's size
+        denom = self._tag(v.sqrt(), "buffers", host=self.offload)  # the one fp32 temporary of the group's size
         denom.div_(math.sqrt(1 - b2 ** t)).add_(self.eps)
         master.addcdiv_(m, denom, value=-self.lr / (1 - b1 ** t))
         del denom
@@ -710,10 +796,14 @@ class ZeroEngine:
             if self.stage == 0:
                 g = self.flat_grad
                 g32 = self._tag(g.float(), "buffers") if g.dtype != torch.float32 else g
+                self._norm_sq = torch.dot(g32.reshape(-1), g32.reshape(-1)).to(torch.float64)
                 self._adamw(self.master, self.m, self.v, g32)
                 del g32
                 self.flat_param.copy_(self.master)
                 self._free_flat_grads()
+                if self.ds and not self.mixed:  # DeepSpeed 0.19.8: fp32 stage 0 all-reduces the norm
+                    norm = self._norm_sq.reshape(1).to(device=self.device, dtype=torch.float32)
+                    self.comm.all_reduce(norm)
                 return
             if self.stage in (1, 2):
                 if self.stage == 1:
@@ -724,8 +814,9 @@ class ZeroEngine:
                                  self.flat_param[self.part_lo:self.part_lo + self.part_n], 0)
                 del src
                 if self.ds:
-                    flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
-                    self.comm.all_reduce(flag, op="max")
+                    if self.mixed:  # the overflow flag exists with a loss scaler / bit16 only
+                        flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
+                        self.comm.all_reduce(flag, op="max")
                     norm = self._norm_sq.reshape(1).to(device=self.device, dtype=torch.float32)
                     self.comm.all_reduce(norm)
                 lo = self.part_lo
@@ -752,25 +843,30 @@ class ZeroEngine:
                 norm_sq = norm_sq + self._norm_sq.cpu()
             self.grad_part.zero_()
             for i, p in enumerate(self.params):
-                if self.persistent[i]:
+                if self.persistent[i]:  # in place into the padded whole copy
                     c = self.chunk[i]
-                    out = self._empty(c * self.n, "buffers")
-                    self.comm.all_gather(out, self.lp[self.part_offsets[i]:self.part_offsets[i] + c])
-                    p.data.copy_(out[:self.numels[i]].view(self.shapes[i]))
-                    del out
+                    full = self.torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                        p.data.untyped_storage(), 0, (c * self.n,))
+                    self.comm.all_gather(full, self.lp[self.part_offsets[i]:self.part_offsets[i] + c])
+                    del full
             if self.ds:
-                norm = norm_sq.reshape(1).to(self.device)
+                dt = torch.float32 if self.offload else torch.float64  # DeepSpeed 0.19.8: 4 B with offload
+                norm = norm_sq.reshape(1).to(device=self.device, dtype=dt)
                 self.comm.all_reduce(norm)
 
     def _step_group(self, grad16: Any, master: Any, m: Any, v: Any, lp_out: Any, offset: int) -> None:
         """AdamW on one group: flatten copy + fp32 gradient transients, then write back bit16 values."""
         torch = self.torch
-        flat = self._tag(grad16.clone(), "buffers")  # DeepSpeed's flatten of the averaged gradients
-        if self.offload:
-            g32 = self.grad32_host[offset:offset + flat.numel()]
-            g32.copy_(flat)
-            del flat
+        if self.offload:  # the fp32 gradient partition is a persistent host buffer
+            g32 = self.grad32_host[offset:offset + grad16.numel()]
+            g32.copy_(grad16)
+            with self._host():
+                self._norm_sq = torch.dot(g32, g32).to(torch.float64)
+                self._adamw(master, m, v, g32)
+            lp_out.copy_(master)
+            return
         else:
+            flat = self._tag(grad16.clone(), "buffers")  # DeepSpeed's flatten of the averaged gradients
             g32 = self._tag(flat.float(), "buffers") if flat.dtype != torch.float32 else flat
         self._norm_sq = torch.dot(g32, g32).to(torch.float64) if g32.numel() else torch.zeros((), dtype=torch.float64)
         self._adamw(master, m, v, g32)

@@ -29,8 +29,9 @@ Both expose the same API: ``phase`` (settable), ``tag``, ``phase_peaks() -> {pha
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["CATEGORIES", "PHASES", "StorageTracker", "CudaMemoryMeter", "SimulatedOutOfMemory", "make_meter",
            "NullMeter"]
@@ -105,6 +106,7 @@ class StorageTracker:
         self.memory_limit_bytes = memory_limit_bytes
         self._live: dict[int, list] = {}  # id(storage) -> [nbytes, category, host, weakref]
         self._mode = None
+        self._host_depth = 0
         base = _dispatch_base()
         tracker = self
 
@@ -159,6 +161,15 @@ class StorageTracker:
         self._add(category, host, nbytes)
         return t
 
+    @contextlib.contextmanager
+    def host_scope(self) -> Iterator[None]:
+        """Storages created inside are host memory (offloaded states), never device bytes."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
     def reset_peaks(self) -> None:
         self.ledger.reset_peaks()
 
@@ -192,7 +203,7 @@ class StorageTracker:
             return
         entry = self._live.get(id(st))
         if entry is None:
-            self._register(st, self._default_category(), False)
+            self._register(st, self._default_category(), self._host_depth > 0)
         elif entry[3]() is st and st.nbytes() != entry[0]:  # resized in place
             delta = st.nbytes() - entry[0]
             entry[0] = st.nbytes()
@@ -315,6 +326,11 @@ class CudaMemoryMeter:
                 out[cat] += nbytes
         return out
 
+    @contextlib.contextmanager
+    def host_scope(self) -> Iterator[None]:
+        """Host tensors never appear in the CUDA allocator's counters: nothing to do."""
+        yield
+
     def reset_peaks(self) -> None:
         self.peaks = {}
         self._torch.cuda.reset_peak_memory_stats(self.device)
@@ -342,6 +358,10 @@ class NullMeter:
 
     def tag(self, t: Any, category: str, *, host: bool = False) -> Any:
         return t
+
+    @contextlib.contextmanager
+    def host_scope(self) -> Iterator[None]:
+        yield
 
     def reset_peaks(self) -> None:
         pass

@@ -50,6 +50,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         raise InputError(f"{target}: directory {parent} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file normal permissions
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -66,21 +66,26 @@ def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None)
         markup=False,
     )
     table = Table(title="Per-GPU memory and communication per optimizer step", title_justify="left")
-    table.add_column("", style="bold")
+    table.add_column("", style="bold", no_wrap=True)
     for p in result.stages:
         table.add_column(_stage_label(p), justify="right")
 
     def row(label: str, fn) -> None:
         table.add_row(label, *[fn(p) for p in result.stages])
 
+    def live(p, *cats):
+        by = p.memory.phases[p.memory.peak_phase].by_category
+        return sum(by.get(c, 0) for c in cats)
+
     row("parameters", lambda p: gb(p.memory.params))
     row("gradients", lambda p: gb(p.memory.gradients))
     row("optimizer states", lambda p: gb(p.memory.optimizer_states))
-    row("model states", lambda p: gb(p.memory.model_states))
-    row("buffers (at peak)", lambda p: gb(p.memory.buffers))
-    row("activations (at peak)", lambda p: gb(p.memory.activations))
-    row("overhead", lambda p: gb(p.memory.overhead))
-    row("peak per GPU", lambda p: f"[bold]{gb(p.memory.peak)}[/]\n{p.memory.peak / GiB:,.2f} GiB, {p.memory.peak_phase}")
+    row("model states (sum)", lambda p: gb(p.memory.model_states))
+    row("at the peak: states", lambda p: gb(live(p, "params", "gradients", "optimizer_states")))
+    row("  + buffers", lambda p: gb(p.memory.buffers))
+    row("  + activations", lambda p: gb(p.memory.activations))
+    row("  + overhead", lambda p: gb(p.memory.overhead))
+    row("= peak per GPU", lambda p: f"[bold]{gb(p.memory.peak)}[/]\n{p.memory.peak / GiB:,.2f} GiB, {p.memory.peak_phase}")
     if c.gpu_memory_bytes:
         row("fits", lambda p: ("[green]yes[/]" if p.fits else "[red]NO[/]") + f"\n{gb(p.headroom_bytes)} headroom")
     row("host RAM per node", lambda p: gb(p.host_memory_per_node) + ("" if p.host_fits in (None, True) else " [red]over[/]"))
@@ -95,6 +100,11 @@ def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None)
         row("comm share", lambda p: f"{p.time.comm_share:.0%}")
         row("tokens/s (cluster)", lambda p: f"{p.tokens_per_s:,.0f}")
     con.print(table)
+    from zeroplan.report.charts import render_memory_bars, render_time_bars
+
+    render_memory_bars(con, result)
+    if c.hardware:
+        render_time_bars(con, result)
 
     con.print("[bold]What sets the peak[/]", markup=True)
     for p in result.stages:

@@ -189,6 +189,7 @@ def test_save_profile_writes_measured_link_and_output_json(tmp_path):
     assert math.isclose(link["bandwidth_GBps_per_gpu"], fit["bandwidth_GBps"], rel_tol=1e-6)
     assert saved["inter_node"]["bandwidth_GBps_per_gpu"] == 50.0  # untouched tier
     assert saved["gpu"]["memory_bytes"] == 85899345920
+    assert saved["name"] == "test-node-measured"
     assert "measured by zeroplan bench collectives on" in saved["sources"]["intra_node.bandwidth_GBps_per_gpu"]
     # the fitted line reproduces the measured times it was fitted on, within the fit's stated error
     for r in data["results"]:

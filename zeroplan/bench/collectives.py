@@ -406,6 +406,7 @@ def save_profile_from_report(report: CollectivesReport, path: str, hardware: str
         out[tier] = {"latency_us": latency_us, "bandwidth_GBps": f.bandwidth_GBps, "r2": f.r2,
                      "points": f.points, "max_rel_error": f.max_rel_error}
     updates["sources"] = sources
+    updates["name"] = f"{base.name}-measured"
     updates["description"] = f"{base.description} — link tier(s) {', '.join(fits)} {note}"
     profile = base.model_copy(update=updates)
     hw.save_profile(profile, path)

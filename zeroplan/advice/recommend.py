@@ -810,7 +810,7 @@ def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int |
                 over = ln.peak_bytes - rec.usable_gpu_bytes
                 ex.append(
                     f"ZeRO-{s} does not fit without offload: even at its leanest ({lean_desc}) it needs "
-                    f"{gb(ln.peak_bytes)} per GPU, {gb(over)} over the {gpu}: {ss.leanest_dominant} dominate."
+                    f"{gb(ln.peak_bytes)} per GPU, {gb(over)} over the {gpu}; the largest part is {ss.leanest_dominant}."
                 )
             if ss.fits and ss.best is not None and (c is None or s < upto):
                 b = ss.best
@@ -825,6 +825,13 @@ def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int |
                 f"{abs(1 - b.tokens_per_s / c.tokens_per_s):.0%}"
                 + (" (within the 5% noise band the lower stage would have been preferred)." if b.tokens_per_s >= (1 - NOISE) * c.tokens_per_s else ".")
             )
+    for s in sorted(by_stage):
+        ss = by_stage[s]
+        if c is not None and s > c.stage and ss.best is not None and ss.best.tokens_per_s > c.tokens_per_s:
+            b = ss.best
+            ex.append(f"ZeRO-{s} ({b.label()}, micro-batch {b.micro_batch}) would reach {b.tokens_per_s:,.0f} tokens/s, "
+                      f"{b.tokens_per_s / c.tokens_per_s - 1:.1%} more: within the {NOISE:.0%} noise of the model, "
+                      f"so the lower stage is preferred (less communication, fewer moving parts).")
     if c is not None and c.offload:
         ex.append("Offload is recommended because no configuration without offload fits, or none reaches "
                   f"{OFFLOAD_RATIO:.0%} of the offload configuration's useful throughput.")

@@ -44,6 +44,10 @@ def run_recommend(*, headroom: float = 0.10, comm_model: str = "deepspeed", mfu:
     return rec, inp
 
 
+def _elems(n: int) -> str:
+    return f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
+
+
 def _fmt_value(v: Any) -> str:
     import json
 
@@ -55,6 +59,8 @@ def render_recommendation(con: Any, rec: Any) -> None:
 
     from zeroplan.report.render import gb, seconds
 
+    if not con.is_terminal:
+        con.width = max(con.width, 150)  # pipes and files: keep the table and sentences on one line each
     m, c = rec.model, rec.cluster
     con.print(f"[bold]{m.name}[/]: {m.params:,} parameters on {c.n_gpus} GPUs = {c.nodes} node(s) × "
               f"{c.gpus_per_node} of {c.hardware} ({c.gpu}, {gb(c.gpu_memory_bytes)} each)", markup=True)
@@ -81,10 +87,10 @@ def render_recommendation(con: Any, rec: Any) -> None:
                           ("tokens/s", "right"), ("comm share", "right")):
             table.add_column(col, justify=just)
         for a in rec.alternatives:
-            bucket = f"{a.reduce_bucket_size:.0e}"
+            bucket = _elems(a.reduce_bucket_size)
             if a.stage == 3:
-                bucket += f" / pf {a.prefetch_bucket_size:.0e}" + (f" / hpZ {a.hpz_partition_size}" if a.hpz_partition_size > 1 else "")
-            mark = "→ " if a is rec.chosen or (rec.chosen is not None and a == rec.chosen) else ""
+                bucket += f" / pf {_elems(a.prefetch_bucket_size)}" + (f" / hpZ {a.hpz_partition_size}" if a.hpz_partition_size > 1 else "")
+            mark = "→ " if rec.chosen is not None and a == rec.chosen else ""
             table.add_row(f"{mark}ZeRO-{a.stage}", a.offload_label(), str(a.micro_batch), a.checkpointing, bucket,
                           gb(a.peak_bytes), f"{gb(a.headroom_bytes)} ({a.headroom_bytes / a.gpu_memory_bytes:.0%})",
                           seconds(a.step_time_s), f"{a.tokens_per_s:,.0f}", f"{a.comm_share:.0%}")

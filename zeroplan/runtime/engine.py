@@ -287,6 +287,8 @@ class ZeroEngine:
         self.buckets = self._flat_buckets("forward" if self.stage == 1 and not self.overlap else "reverse", self.rbs)
         self.ipg: list[Any] = []
         self._pending: list[tuple[Any, Any, Any]] = []
+        self._bucket_bufs: dict[int, tuple[Any, Any]] = {}
+        self._copied: set[int] = set()
         if self.stage == 2 and self.ds:
             self._install_grad_hooks()
 
@@ -325,17 +327,14 @@ class ZeroEngine:
         """
         torch = self.torch
         lo, hi, ps = self.buckets[k]
-        size = hi - lo
-        slot = None
-        if self.contiguous and size <= self.rbs:
-            slot = self._ipg_slot
-            self._ipg_slot = (slot + 1) % len(self.ipg)
-            self._wait_slot(slot)
-            buf = self.ipg[slot][:size]
+        slot, buf = self._bucket_buffer(k)
+        if buf is not None:
             for i in ps:
-                buf[self.offsets[i] - lo:self.offsets[i] - lo + self.numels[i]].copy_(source(i))
+                if i not in self._copied:
+                    self._copy_into_bucket(k, i, source(i))
         else:
             buf = self._tag(torch.cat([source(i) for i in sorted(ps, key=lambda j: self.offsets[j])]), "buffers")
+        self._bucket_bufs.pop(k, None)
         if self.reduce_scatter_cfg:
             slices = []
             a = lo
@@ -373,6 +372,31 @@ class ZeroEngine:
                 if owner == self.rank:
                     self._accumulate_owned(piece, a, b)
         del buf
+
+    def _bucket_buffer(self, k: int) -> tuple[Any, Any]:
+        """(ipg slot, view) holding bucket k; (None, None) when it does not go through the ipg buffer."""
+        got = self._bucket_bufs.get(k)
+        if got is not None:
+            return got
+        lo, hi, _ = self.buckets[k]
+        if not (self.contiguous and hi - lo <= self.rbs):
+            return None, None
+        slot = self._ipg_slot
+        self._ipg_slot = (slot + 1) % len(self.ipg)
+        self._wait_slot(slot)
+        got = (slot, self.ipg[slot][:hi - lo])
+        self._bucket_bufs[k] = got
+        return got
+
+    def _copy_into_bucket(self, k: int, i: int, grad: Any) -> bool:
+        """Copy param i's gradient into bucket k's buffer; False when the bucket has no buffer."""
+        _, buf = self._bucket_buffer(k)
+        if buf is None:
+            return False
+        lo = self.buckets[k][0]
+        buf[self.offsets[i] - lo:self.offsets[i] - lo + self.numels[i]].copy_(grad)
+        self._copied.add(i)
+        return True
 
     def _wait_slot(self, slot: int) -> None:
         keep = []
@@ -412,6 +436,7 @@ class ZeroEngine:
             return
         self._alloc_ipg(2 if self.overlap else 1)
         self._ipg_slot = 0
+        self._bucket_bufs, self._copied = {}, set()
         for k in range(len(self.buckets)):
             self._reduce_bucket_12(k, source)
         self._drain()
@@ -468,12 +493,29 @@ class ZeroEngine:
         while self._ptr < len(order) and self._ready[order[self._ptr]]:
             j = order[self._ptr]
             self._ptr += 1
+            self._arrived(j)
             if j in self._last_in_bucket:
                 self._flush_bucket(self._last_in_bucket[j])
+
+    def _arrived(self, j: int) -> None:
+        """Gradient j is next in bucket order: copy it into the bucket buffer and free it (DeepSpeed)."""
+        k = self._bucket_of[j]
+        p = self.params[j]
+        with self.torch.no_grad():
+            if self.stage == 3:
+                if self.contiguous and self._bucket_total[k] <= self.rbs:
+                    pos, pad = self._pos3[j], self.chunk[j] * self.n
+                    seg = self.ipg[0][pos:pos + pad]
+                    seg[:self.numels[j]].copy_(p.grad.reshape(-1))
+                    seg[self.numels[j]:].zero_()
+                    p.grad = None
+            elif self._copy_into_bucket(k, j, p.grad.reshape(-1)):
+                p.grad = None
 
     def _begin_backward_hooks(self) -> None:
         self._ready = [False] * len(self.params)
         self._ptr = 0
+        self._bucket_bufs, self._copied = {}, set()
 
     def _flush_bucket(self, k: int) -> None:
         if self.stage == 3:
@@ -483,6 +525,7 @@ class ZeroEngine:
         self._reduce_bucket_12(k, lambda i: self.params[i].grad.reshape(-1))
         for i in ps:
             self.params[i].grad = None
+        self._copied.difference_update(ps)
 
     # ------------------------------------------------------------------ stage 3
     def _setup3(self) -> None:
@@ -592,6 +635,13 @@ class ZeroEngine:
         self.buckets = [(0, 0, [order[k] for k in idx])
                         for idx in greedy_buckets([self.chunk[i] * n for i in order], self.rbs)]
         self.ipg = [self._empty(self.rbs, "buffers")] if self.contiguous else []
+        self._bucket_total = [sum(self.chunk[i] for i in ps) * n for _, _, ps in self.buckets]
+        self._pos3 = {}
+        for _, _, ps in self.buckets:
+            pos = 0
+            for i in ps:
+                self._pos3[i] = pos
+                pos += self.chunk[i] * n
         self._install_grad_hooks()
 
     # forward / backward hooks
@@ -659,15 +709,12 @@ class ZeroEngine:
         _, _, ps = self.buckets[k]
         total = sum(self.chunk[i] for i in ps) * n
         with torch.no_grad():
-            if self.contiguous and total <= self.rbs:
+            if self.contiguous and total <= self.rbs:  # gradients were copied in as they arrived
                 buf = self.ipg[0][:total]
                 pieces = []
                 pos = 0
                 for i in ps:
-                    seg = buf[pos:pos + self.chunk[i] * n]
-                    seg[:self.numels[i]].copy_(self.params[i].grad.reshape(-1))
-                    seg[self.numels[i]:].zero_()
-                    pieces.append(seg.view(n, self.chunk[i]))
+                    pieces.append(buf[pos:pos + self.chunk[i] * n].view(n, self.chunk[i]))
                     pos += self.chunk[i] * n
             else:
                 pieces = []

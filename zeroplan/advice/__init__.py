@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["recommend", "Recommendation", "Candidate", "run_check", "check_config", "CheckReport", "ConfigCheck",
-           "CHECK_RULES"]
+__all__ = ["Recommendation", "Candidate", "run_check", "check_config", "CheckReport", "ConfigCheck", "CHECK_RULES"]
 
+# ``recommend`` and ``check`` are also submodule names: import the function from
+# ``zeroplan.advice.recommend`` (``from zeroplan.advice.recommend import recommend``).
 _WHERE = {
-    "recommend": "recommend", "Recommendation": "recommend", "Candidate": "recommend",
+    "Recommendation": "recommend", "Candidate": "recommend",
     "run_check": "check", "check_config": "check", "CheckReport": "check", "ConfigCheck": "check",
     "CHECK_RULES": "check",
 }

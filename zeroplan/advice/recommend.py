@@ -47,7 +47,6 @@ with ``evaluate()``, whose numbers are the ones reported; tests check the sweep 
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
@@ -833,8 +832,13 @@ def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int |
                       f"{b.tokens_per_s / c.tokens_per_s - 1:.1%} more: within the {NOISE:.0%} noise of the model, "
                       f"so the lower stage is preferred (less communication, fewer moving parts).")
     if c is not None and c.offload:
-        ex.append("Offload is recommended because no configuration without offload fits, or none reaches "
-                  f"{OFFLOAD_RATIO:.0%} of the offload configuration's useful throughput.")
+        non = [a for a in rec.alternatives if not a.offload]
+        if not non:
+            ex.append("Offload is recommended because no configuration without offload fits.")
+        else:
+            ex.append(f"Offload is recommended because the best configuration without it ({non[0].label()}, "
+                      f"{non[0].tokens_per_s:,.0f} tokens/s) reaches less than {OFFLOAD_RATIO:.0%} of "
+                      f"{c.tokens_per_s:,.0f} tokens/s.")
     elif c is not None:
         fit_off = [a for a in rec.alternatives if a.offload]
         if fit_off:

@@ -156,9 +156,16 @@ class StorageTracker:
         nbytes, old, old_host, _ = entry
         if old == category and old_host == host:
             return t
+        led = self.ledger
+        pk = led.peaks.get(led.phase)
+        at_peak = pk is not None and pk["peak"] == led.total
         self._sub(old, old_host, nbytes)
         entry[1], entry[2] = category, host
         self._add(category, host, nbytes)
+        if at_peak and pk["peak"] == led.total:  # the peak is this very moment: keep its breakdown current
+            pk["by_category"] = dict(led.current)
+        elif at_peak and host:  # moved off the device: the moment before had the peak, unchanged
+            pass
         return t
 
     @contextlib.contextmanager

@@ -1,0 +1,125 @@
+"""Simulated scale: the same engine code, one process, any world size, no real memory.
+
+Under ``FakeTensorMode`` every tensor has a shape, a dtype and a (fake) storage size but no
+data, and torch's fake process group answers every collective at once. The ZeRO engine,
+the model and the storage tracker run unchanged, so the per-rank memory by category and
+phase, and the exact collective schedule, of e.g. llama-2-70b at N = 64 are traced in
+seconds within a few hundred MiB of RAM. Rank 0 of the N ranks is simulated (all ranks hold
+equally sized partitions; the loss is NaN: fake tensors have no values).
+
+Private APIs (wrapped; a moved API raises ``SimulationUnavailable`` saying which):
+``torch._subclasses.fake_tensor.FakeTensorMode`` and
+``torch.testing._internal.distributed.fake_pg.FakeStore`` (the "fake" backend).
+Not supported: MoE models (data-dependent token routing has no fake shape).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SimulationUnavailable", "simulate_rank", "run_simulated_bench"]
+
+
+class SimulationUnavailable(RuntimeError):
+    """This torch build lacks a private API the simulation needs."""
+
+
+def _private_apis() -> tuple[Any, Any]:
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError as exc:  # pragma: no cover - depends on the torch build
+        raise SimulationUnavailable(f"torch._subclasses.fake_tensor.FakeTensorMode is not available: {exc}") from exc
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as exc:  # pragma: no cover
+        raise SimulationUnavailable(
+            f"torch.testing._internal.distributed.fake_pg.FakeStore (the 'fake' process group) is not available: {exc}"
+        ) from exc
+    return FakeTensorMode, FakeStore
+
+
+def simulate_rank(spec: Any, zero: Any, *, n: int, precision: str, micro_batch: int = 1, seq_len: int = 128,
+                  grad_accum: int = 1, comm_model: str = "deepspeed", steps: int = 3) -> dict:
+    """Trace one rank of an ``n``-rank run: the last of ``steps`` optimizer steps is measured.
+
+    Returns the same measurement dict as ``zeroplan.bench.validate.measure_rank`` (collectives
+    of one step grouped by "op/phase", model_states, phase_peaks, host_bytes).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from zeroplan.bench.validate import _group
+    from zeroplan.runtime.comm import InstrumentedComm
+    from zeroplan.runtime.engine import ZeroEngine
+    from zeroplan.runtime.memory import StorageTracker
+    from zeroplan.runtime.model import build_model
+
+    if spec.num_experts:
+        raise SimulationUnavailable("simulation of MoE models is not supported (token routing is data-dependent)")
+    FakeTensorMode, FakeStore = _private_apis()
+    if dist.is_initialized():
+        raise RuntimeError("simulate_rank needs a process without an initialised torch.distributed group")
+    dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+    engine = None
+    try:
+        comm = InstrumentedComm()
+        tracker = StorageTracker()
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            model = build_model(spec, precision, "cpu", seed=0, check_count=not spec.approximate)
+            engine = ZeroEngine(model, zero, precision=precision, comm=comm, grad_accum=grad_accum,
+                                comm_model=comm_model, meter=tracker)
+            per_step = []
+            states: dict[str, int] = {}
+            for s in range(steps):
+                if s == steps - 1:
+                    comm.reset()
+                    tracker.reset_peaks()
+                batches = [torch.zeros(micro_batch, seq_len, dtype=torch.long) for _ in range(grad_accum)]
+                n0 = len(comm.records)
+                r = engine.train_step(batches)
+                states = r["model_states"]
+                if s == steps - 1:
+                    per_step.append(_group(comm.records[n0:]))
+        return {"rank": 0, "collectives": per_step[0], "steady": True, "model_states": states,
+                "phase_peaks": tracker.phase_peaks(), "host_bytes": int(tracker.host_bytes), "step_time_s": None,
+                "losses": None}
+    finally:
+        if engine is not None:
+            engine.close()
+        dist.destroy_process_group()
+
+
+def run_simulated_bench(spec: Any, stages: list[int], *, n: int, precision: str, ds: Any = None,
+                        micro_batch: int = 1, seq_len: int = 128, grad_accum: int = 1,
+                        comm_model: str = "deepspeed", hardware: Any = None,
+                        tolerance: dict[str, float] | None = None) -> dict:
+    """``bench zero --simulate``: per stage, trace one rank at world size ``n`` and compare with the plan."""
+    from zeroplan.bench.validate import (MODEL_STATE_TOLERANCE, PHASE_PEAK_TOLERANCE, _zero_config, compare,
+                                         predict)
+
+    tol = {"collective": 0.0, "model_state": MODEL_STATE_TOLERANCE, "phase_peak": PHASE_PEAK_TOLERANCE}
+    tol.update(tolerance or {})
+    report: dict[str, Any] = {
+        "simulated": True,
+        "model": {"name": spec.name, "params": spec.params, "layers": spec.num_layers, "hidden": spec.hidden_size,
+                  "vocab": spec.vocab_size, "model_type": spec.model_type},
+        "world_size": n, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
+        "grad_accum": grad_accum, "steps": 1, "comm_model": comm_model, "backend": "fake",
+        "tolerance": tol, "stages": [], "failures": [], "findings": [],
+    }
+    ok = True
+    for st in stages:
+        zero = _zero_config(st, ds)
+        measured = simulate_rank(spec, zero, n=n, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
+                                 grad_accum=grad_accum, comm_model=comm_model, steps=3 if st == 3 else 2)
+        plan = predict(spec, zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
+                       grad_accum=grad_accum, n=n, comm_model=comm_model, hardware=hardware)
+        rows = [r for r in compare(plan, [measured], model_state_tol=tol["model_state"], phase_tol=tol["phase_peak"],
+                                   collective_tol=tol["collective"]) if r["kind"] != "step_time"]
+        entry = {"stage": st, "rows": rows, "ok": all(r["ok"] for r in rows),
+                 "predicted_peak_bytes": plan.memory.peak, "predicted_peak_phase": plan.memory.peak_phase,
+                 "host_bytes": measured["host_bytes"]}
+        ok = ok and entry["ok"]
+        report["stages"].append(entry)
+    report["ok"] = ok
+    return report

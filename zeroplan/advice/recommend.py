@@ -49,14 +49,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from dataclasses import fields as dataclass_fields
 from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
 from zeroplan._util import InputError
 from zeroplan.core.activations import activation_memory
-from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger
+from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
 from zeroplan.core.layout import Layout, build_layout
 from zeroplan.core.memory import memory_for_stage
 from zeroplan.core.plan import ClusterSummary, ModelSummary, Plan, evaluate, model_summary, training_summary
@@ -306,7 +305,7 @@ class _Family:
                 k = _entry_key(e)
                 calls[k] += e.count
                 proto[k] = e
-            pcie = Counter((p.direction, p.what, p.bytes_per_step) for p in led.pcie)
+            pcie = Counter((p.direction, p.what, p.bytes_per_step, p.source) for p in led.pcie)
             self._led[point] = (calls, pcie, proto)
         return self._led[point]
 
@@ -376,7 +375,7 @@ class _Sweep:
         key = (pt, zero.model_persistence_threshold)
         lay = self._layouts.get(key)
         if lay is None:
-            lay = _CachedLayout.of(build_layout(self.spec, self.n, persistence_threshold=pt,
+            lay = (build_layout(self.spec, self.n, persistence_threshold=pt,
                                                 model_persistence_threshold=zero.model_persistence_threshold))
             self._layouts[key] = lay
         return lay
@@ -421,56 +420,17 @@ class _Sweep:
         by_op: dict[str, int] = {}
         for e in entries:
             by_op[e.op] = by_op.get(e.op, 0) + e.sent_bytes
-        pc = [PcieTransfer(direction=d, what=w, bytes_per_step=b) for (d, w, b), c in pcie.items() for _ in range(c)]
+        pc = [PcieTransfer(direction=d, what=w, bytes_per_step=b, source=src) for (d, w, b, src), c in pcie.items()
+              for _ in range(c)]
+        zero = self.zero(s.stage, s.key)
+        cpu_params, nvme_bytes = offload_costs(self.layout(zero), self.inp.training, zero)
         return CommLedger(flavour=self.comm_model, collectives=entries, bytes_per_gpu_per_step=total,
-                          bytes_per_gpu_per_step_by_op=by_op, inter_node_bytes_per_gpu_per_step=0, pcie=pc)
+                          bytes_per_gpu_per_step_by_op=by_op, inter_node_bytes_per_gpu_per_step=0, pcie=pc,
+                          cpu_optimizer_params_per_gpu=cpu_params, nvme_bytes_per_gpu_per_step=nvme_bytes)
 
     def time(self, ledger: Any, mb: int, ckpt: str) -> Any:
         return estimate_time(ledger, self.training(mb, ckpt), self.hw, active_params=self.spec.active_params,
                              n_gpus=self.n, gpus_per_node=self.gpn, mfu=self.mfu)
-
-
-class _CachedLayout(Layout):
-    """A Layout whose derived sizes are computed once (the sweep never mutates a layout).
-
-    core.layout recomputes ``partition_3`` and friends (sums over every tensor) on each access;
-    memory_for_stage and build_ledger read them many times per call.
-    """
-
-    @classmethod
-    def of(cls, lay: Layout) -> "_CachedLayout":
-        out = cls(**{f.name: getattr(lay, f.name) for f in dataclass_fields(Layout)})
-        out._memo = {}
-        return out
-
-    def _m(self, key: tuple, fn: Callable[[], Any]) -> Any:
-        v = self._memo.get(key)
-        if v is None:
-            v = self._memo[key] = fn()
-        return v
-
-    @property
-    def partition_3(self) -> int:
-        return self._m(("p3",), lambda: Layout.partition_3.fget(self))
-
-    @property
-    def persistent_numel(self) -> int:
-        return self._m(("pn",), lambda: Layout.persistent_numel.fget(self))
-
-    @property
-    def persistent_padded(self) -> int:
-        return self._m(("pp",), lambda: Layout.persistent_padded.fget(self))
-
-    @property
-    def largest_tensor(self) -> int:
-        return self._m(("lt",), lambda: Layout.largest_tensor.fget(self))
-
-    def sub_groups_3(self, sub_group_size: int) -> list[int]:
-        return list(self._m(("sg", sub_group_size), lambda: Layout.sub_groups_3(self, sub_group_size)))
-
-    def grad_buckets(self, bucket_elems: int, stage: int, **kw: Any) -> list[int]:
-        key = ("gb", bucket_elems, stage, tuple(sorted(kw.items())))
-        return list(self._m(key, lambda: Layout.grad_buckets(self, bucket_elems, stage, **kw)))
 
 
 def _pow2_up_to(cap: int) -> list[int]:

@@ -34,15 +34,24 @@ import time
 import traceback
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from zeroplan._util import InputError
+from zeroplan.runtime.results import CollectiveRecord, RankFailure
+from zeroplan.specs.collectives import OPS
 
 __all__ = [
     "DS_OPS",
+    "DeepSpeedRankResult",
     "run_deepspeed_steps",
+    "run_deepspeed_matrix",
     "run_deepspeed_jobs",
+    "prepare_ds_config",
     "make_ds_config",
     "deepspeed_available",
     "summarize_step",
+    "per_step_summary",
+    "steps_identical",
 ]
 
 # torch.distributed function name -> ledger op name (zeroplan.specs.collectives.Op).
@@ -237,6 +246,9 @@ def _disable_shm_comm_op() -> None:
 
 _CATEGORY_RULES: tuple[tuple[str, str], ...] = (
     # (substring of the attribute path, category) — first match wins
+    ("global_grad_norm", "other"),
+    ("inf_or_nan", "other"),
+    ("param_buffer_of_bit16", "buffers"),
     ("ipg", "buffers"),
     ("temp_grad", "buffers"),
     ("accumulated_grads_in_cpu", "buffers"),
@@ -257,6 +269,7 @@ _CATEGORY_RULES: tuple[tuple[str, str], ...] = (
     ("bf16_groups", "params"),
     ("bit16_groups", "params"),
     ("fp16_groups", "params"),
+    ("persistent_param", "params"),
     ("model.", "params"),
     ("ds_tensor", "params"),
 )
@@ -280,9 +293,11 @@ def _collect_storages(engine, extra_roots: dict[str, Any] | None = None, max_dep
     """
     import torch
 
-    seen_storages: set[tuple[int, int]] = set()
     seen_objs: set[int] = set()
-    out: dict[str, dict] = {}
+    # storage key -> (rank, path, info); the lowest rank wins, then the first seen. A ".grad" that
+    # is a view into a larger storage (a gradient bucket, a flat partition) ranks last, so the
+    # owner of the buffer names it.
+    claims: dict[tuple[int, int], tuple[int, str, dict]] = {}
 
     def add_tensor(path: str, t) -> None:
         if t.is_meta:
@@ -291,11 +306,14 @@ def _collect_storages(engine, extra_roots: dict[str, Any] | None = None, max_dep
             st = t.untyped_storage()
         except Exception:  # pragma: no cover
             return
-        key = (st.data_ptr(), st.nbytes())
-        if st.nbytes() > 0 and key not in seen_storages:
-            seen_storages.add(key)
-            out[path] = {"bytes": int(st.nbytes()), "dtype": _dtype_name(t), "numel": int(t.numel()),
-                         "category": _categorize(path)}
+        nbytes = int(st.nbytes())
+        if nbytes > 0:
+            key = (st.data_ptr(), nbytes)
+            view = t.numel() * t.element_size() < nbytes
+            rank = 2 if (view and path.endswith(".grad")) else 1 if view else 0
+            if key not in claims or rank < claims[key][0]:
+                claims[key] = (rank, path, {"bytes": nbytes, "dtype": _dtype_name(t), "numel": int(t.numel()),
+                                            "category": _categorize(path)})
         for attr in ("ds_tensor", "grad"):
             sub = getattr(t, attr, None) if attr != "grad" else (t.grad if t.is_leaf else None)
             if isinstance(sub, torch.Tensor):
@@ -339,12 +357,14 @@ def _collect_storages(engine, extra_roots: dict[str, Any] | None = None, max_dep
     inner = getattr(opt, "optimizer", None)
     if inner is not None and hasattr(inner, "state"):
         walk("optimizer.optimizer.state", inner.state, 1)
+    # the optimizer before the model: a parameter's data / .grad may be a view into a flat buffer
+    # or gradient bucket the optimizer owns, and that buffer's name says what the storage is
+    walk("optimizer", opt, 0)
     for name, p in engine.module.named_parameters():
         add_tensor(f"model.{name}", p)
-    walk("optimizer", opt, 0)
     for name, root in (extra_roots or {}).items():
         walk(name, root, 0)
-    return out
+    return {path: info for _, path, info in claims.values()}
 
 
 def _memory_by_category(storages: dict[str, dict]) -> dict[str, int]:
@@ -355,116 +375,14 @@ def _memory_by_category(storages: dict[str, dict]) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------------------------
-# A small Llama-shaped model, named as in Hugging Face (used until zeroplan.runtime.model lands)
+# The model: the bundled runtime's builder, so DeepSpeed trains exactly the spec's tensors
 
 
-def _build_model(spec, dtype_name: str):
-    """``zeroplan.runtime.model.build_model`` when available, else a local Llama-shaped model."""
-    import torch
+def _build_model(spec):
+    """``zeroplan.runtime.model.build_model`` in fp32 on CPU (DeepSpeed casts to bf16/fp16 itself)."""
+    from zeroplan.runtime.model import build_model
 
-    try:
-        from zeroplan.runtime.model import build_model  # type: ignore[attr-defined]
-    except ImportError:
-        build_model = None
-    if build_model is not None and spec is not None and not isinstance(spec, dict):
-        return build_model(spec, torch.float32, "cpu")
-    return _tiny_llama(spec if isinstance(spec, dict) else _DEFAULT_TINY)
-
-
-_DEFAULT_TINY = {"vocab_size": 1201, "hidden_size": 90, "num_layers": 2, "num_attention_heads": 6,
-                 "num_key_value_heads": 2, "intermediate_size": 250, "tie_word_embeddings": False}
-
-
-def _tiny_llama(cfg: dict):
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    h = cfg["hidden_size"]
-    nh = cfg["num_attention_heads"]
-    nkv = cfg["num_key_value_heads"]
-    hd = h // nh
-    inter = cfg["intermediate_size"]
-
-    class RMSNorm(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(h))
-
-        def forward(self, x):
-            var = x.float().pow(2).mean(-1, keepdim=True)
-            return (x.float() * torch.rsqrt(var + 1e-6)).to(x.dtype) * self.weight
-
-    class Attn(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj = nn.Linear(h, nh * hd, bias=False)
-            self.k_proj = nn.Linear(h, nkv * hd, bias=False)
-            self.v_proj = nn.Linear(h, nkv * hd, bias=False)
-            self.o_proj = nn.Linear(nh * hd, h, bias=False)
-
-        def forward(self, x):
-            b, s, _ = x.shape
-            q = self.q_proj(x).view(b, s, nh, hd).transpose(1, 2)
-            k = self.k_proj(x).view(b, s, nkv, hd).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
-            v = self.v_proj(x).view(b, s, nkv, hd).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.o_proj(y.transpose(1, 2).reshape(b, s, nh * hd))
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_proj = nn.Linear(h, inter, bias=False)
-            self.up_proj = nn.Linear(h, inter, bias=False)
-            self.down_proj = nn.Linear(inter, h, bias=False)
-
-        def forward(self, x):
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    class Layer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.input_layernorm = RMSNorm()
-            self.self_attn = Attn()
-            self.post_attention_layernorm = RMSNorm()
-            self.mlp = MLP()
-
-        def forward(self, x):
-            x = x + self.self_attn(self.input_layernorm(x))
-            return x + self.mlp(self.post_attention_layernorm(x))
-
-    class Inner(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed_tokens = nn.Embedding(cfg["vocab_size"], h)
-            self.layers = nn.ModuleList([Layer() for _ in range(cfg["num_layers"])])
-            self.norm = RMSNorm()
-
-        def forward(self, ids):
-            x = self.embed_tokens(ids)
-            for layer in self.layers:
-                x = layer(x)
-            return self.norm(x)
-
-    class LlamaForCausalLM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = Inner()
-            self.lm_head = nn.Linear(h, cfg["vocab_size"], bias=False)
-            if cfg.get("tie_word_embeddings"):
-                self.lm_head.weight = self.model.embed_tokens.weight
-
-        def forward(self, ids):
-            return self.lm_head(self.model(ids))
-
-    return LlamaForCausalLM()
-
-
-def _loss(model_out, ids):
-    import torch.nn.functional as F
-
-    logits = model_out[:, :-1, :].float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return build_model(spec, "fp32", "cpu", seed=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -505,7 +423,6 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
     import torch
 
     cfg = job["ds_config"]
-    precision = job["precision"]
     steps = job["steps"]
     gas = int(cfg.get("gradient_accumulation_steps", 1))
     mb = int(cfg.get("train_micro_batch_size_per_gpu", 1))
@@ -514,15 +431,15 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
     torch.manual_seed(1234)
     rec.enabled = False
     rec.phase, rec.step, rec.micro = "init", -1, -1
-    model = _build_model(job.get("spec"), precision)
-    vocab = model.lm_head.weight.shape[0] if hasattr(model, "lm_head") else job.get("vocab_size", 256)
+    model = _build_model(job["spec"])
+    vocab = int(job["spec"].vocab_size)
     tensors = []
     seen = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         tensors.append({"name": name, "shape": list(p.shape), "numel": int(p.numel()),
                         "tied": id(p) in seen})
         seen.add(id(p))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), **job.get("adamw", {"lr": 1e-3, "weight_decay": 0.0}))
     rec.enabled = True
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     init_records = rec.records
@@ -533,8 +450,22 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
 
     logger_dicts: list[dict] = []
     memory_after: dict[int, dict] = {}
-    backward_snap: dict[int, dict] = {}
+    backward_snap: dict[int, dict] = {}  # step -> {"by_category", "storages"}
     gen = torch.Generator().manual_seed(99 + rank)
+    snap_steps = {1, steps - 1}
+    if job.get("memory_step") is not None:
+        snap_steps.add(job["memory_step"])
+    before_step: dict[int, dict] = {}
+    inner_step = engine.optimizer.step
+
+    def step_with_snapshot(*args, **kwargs):
+        # the optimizer step at the accumulation boundary: gradients are reduced and partitioned
+        if rec.step in snap_steps and rec.step not in before_step:
+            st = _collect_storages(engine)
+            before_step[rec.step] = {"by_category": _memory_by_category(st), "storages": st}
+        return inner_step(*args, **kwargs)
+
+    engine.optimizer.step = step_with_snapshot
 
     for step in range(steps):
         if getattr(ds_comm, "comms_logger", None) is not None:
@@ -543,12 +474,12 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
             rec.step, rec.micro = step, micro
             ids = torch.randint(0, vocab, (mb, seq), generator=gen)
             rec.phase = "forward"
-            out = engine(ids)
-            loss = _loss(out, ids)
+            loss = engine(ids)  # the runtime model returns the mean causal-LM loss
             rec.phase = "backward"
             hook = None
-            if job.get("snapshot_backward") and step == 1 and micro == gas - 1:
-                hook = _register_backward_snapshot(engine, backward_snap)
+            if step in snap_steps and micro == gas - 1:
+                backward_snap[step] = {}
+                hook = _register_backward_snapshot(engine, backward_snap[step])
             engine.backward(loss)
             if hook is not None:
                 hook.remove()
@@ -558,7 +489,7 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
         if getattr(ds_comm, "comms_logger", None) is not None:
             logger_dicts.append({name: {str(size): vals[0] for size, vals in d.items()}
                                  for name, d in ds_comm.comms_logger.comms_dict.items()})
-        if step in (1, steps - 1):
+        if step in snap_steps:
             storages = _collect_storages(engine)
             memory_after[step] = {"by_category": _memory_by_category(storages), "storages": storages}
 
@@ -577,22 +508,23 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
         "init_collectives": len(init_records),
         "comms_logger": logger_dicts,
         "memory": {str(k): v for k, v in memory_after.items()},
-        "backward_buffers": backward_snap,
+        "memory_before_step": {str(k): v for k, v in before_step.items()},
+        "memory_in_backward": {str(k): v for k, v in backward_snap.items() if v},
     }
 
 
 def _register_backward_snapshot(engine, out: dict):
-    """Snapshot optimizer-held storages when the first parameter's gradient is accumulated.
+    """Snapshot the reachable storages when the first parameter's gradient is accumulated.
 
     In backward the first tensor of the forward order is the last to get its gradient, so at
-    that point every bucket buffer DeepSpeed allocates for the backward pass exists.
+    that point every gradient and bucket buffer DeepSpeed holds for the backward pass exists.
     """
     first = next(iter(engine.module.parameters()))
 
     def hook(_p):
-        storages = _collect_storages(engine)
-        out.update({k: v for k, v in storages.items() if v["category"] == "buffers"
-                    or "ipg" in k.lower() or "grads_in_partition" in k})
+        if not out:
+            storages = _collect_storages(engine)
+            out.update({"by_category": _memory_by_category(storages), "storages": storages})
 
     return first.register_post_accumulate_grad_hook(hook)
 
@@ -648,7 +580,8 @@ def _free_port() -> int:
 def run_deepspeed_jobs(jobs: list[dict], *, nproc: int, timeout_s: float = 900.0) -> list[list[dict]]:
     """Run many DeepSpeed jobs in ONE launch of ``nproc`` ranks (start-up costs ~10 s per launch).
 
-    Each job: {"name", "ds_config", "precision", "steps", "seq_len", "spec"?, "snapshot_backward"?}.
+    Each job: {"name", "ds_config" (ready for ``deepspeed.initialize``), "precision", "steps",
+    "seq_len", "spec" (ModelSpec), "adamw"? (AdamW kwargs), "memory_step"? (extra snapshot step)}.
     Returns per job a list of per-rank result dicts (see ``_run_job``).
     """
     import torch.multiprocessing as mp
@@ -721,14 +654,187 @@ def summarize_step(records: list[dict], step: int) -> dict:
     return dict(sorted(groups.items()))
 
 
-def run_deepspeed_steps(spec, ds_config: dict, *, nproc: int, steps: int = 3, warmup: int = 2,
-                        micro_batch: int = 1, seq_len: int = 16, grad_accum: int = 1,
-                        precision: str = "bf16") -> list[dict]:
-    """Train ``spec`` with the real DeepSpeed engine; per-rank raw results. (Completed in step 2.)"""
-    cfg = dict(ds_config)
-    cfg["train_micro_batch_size_per_gpu"] = micro_batch
-    cfg["gradient_accumulation_steps"] = grad_accum
-    cfg.pop("train_batch_size", None)
-    job = {"name": "run", "ds_config": cfg, "precision": precision, "steps": warmup + steps,
-           "seq_len": seq_len, "spec": spec}
-    return run_deepspeed_jobs([job], nproc=nproc)[0]
+class DeepSpeedRankResult(BaseModel):
+    """What one rank of the real DeepSpeed engine did in the measured steps (after warm-up).
+
+    ``records`` / ``records_by_step`` use the bundled runtime's ``CollectiveRecord`` (FULL
+    buffer bytes, dtype sent, phase). ``memory`` is bytes per rank by zeroplan category
+    (params, gradients, optimizer_states, buffers, activations, other) of the persistent
+    tensor storages reachable from the model and ``engine.optimizer`` after the last step;
+    ``memory_storages`` names each storage by its attribute path. Activations and transient
+    buffers are not visible this way (CPU, no allocator hooks): they read 0.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(ge=0)
+    failure: RankFailure | None = None
+    steps: int = Field(0, ge=0, description="measured optimizer steps")
+    records: list[CollectiveRecord] = Field(default_factory=list)
+    records_by_step: list[list[CollectiveRecord]] = Field(default_factory=list)
+    memory: dict[str, int] = Field(default_factory=dict)
+    memory_storages: dict[str, int] = Field(default_factory=dict)
+    memory_before_step: dict[str, int] = Field(
+        default_factory=dict, description="by category, when the last optimizer step starts (gradients reduced)")
+    memory_before_step_storages: dict[str, int] = Field(default_factory=dict)
+    memory_in_backward: dict[str, int] = Field(
+        default_factory=dict, description="by category, when the last gradient of the last micro-step is accumulated")
+    backward_buffers: dict[str, int] = Field(default_factory=dict, description="buffers alive then, by attribute path")
+    comms_logger: list[dict[str, dict[str, int]]] = Field(
+        default_factory=list, description="DeepSpeed comms_logger per measured step: op -> {logged msg bytes: calls}")
+    optimizer_class: str = ""
+    wall_s: float = 0.0
+
+
+def _to_rank_result(rank: int, raw: dict, warmup: int, steps: int) -> DeepSpeedRankResult:
+    if raw.get("error"):
+        return DeepSpeedRankResult(rank=rank, failure=RankFailure(rank=rank, kind="error", message=raw["error"]))
+    by_step: list[list[CollectiveRecord]] = [[] for _ in range(steps)]
+    for r in raw["records"]:
+        idx = r["step"] - warmup
+        if not 0 <= idx < steps or r["op"] not in OPS or r["phase"] not in ("forward", "backward", "step"):
+            continue
+        by_step[idx].append(CollectiveRecord(
+            op=r["op"], phase=r["phase"], buffer_bytes=r["bytes"], dtype=r["dtype"], group_size=r["group_size"],
+            duration_s=max(0.0, r["duration_s"]), rank=rank))
+    last = raw["memory"][str(warmup + steps - 1)]
+    bwd = raw.get("memory_in_backward", {}).get(str(warmup + steps - 1), {})
+    pre = raw.get("memory_before_step", {}).get(str(warmup + steps - 1), {"by_category": {}, "storages": {}})
+    return DeepSpeedRankResult(
+        rank=rank, steps=steps, records=[x for st in by_step for x in st], records_by_step=by_step,
+        memory=last["by_category"], memory_storages={k: v["bytes"] for k, v in last["storages"].items()},
+        memory_before_step=pre["by_category"],
+        memory_before_step_storages={k: v["bytes"] for k, v in pre["storages"].items()},
+        memory_in_backward=bwd.get("by_category", {}),
+        backward_buffers={k: v["bytes"] for k, v in bwd.get("storages", {}).items() if v["category"] == "buffers"},
+        comms_logger=raw["comms_logger"][warmup:warmup + steps], optimizer_class=raw.get("optimizer_class", ""),
+        wall_s=raw.get("wall_s", 0.0))
+
+
+def prepare_ds_config(ds_config: str | dict, *, nproc: int, micro_batch: int | None, grad_accum: int | None,
+                      precision: str | None, hidden_size: int | None = None) -> tuple[dict, str, dict]:
+    """Validate a DeepSpeed config with zeroplan's reader (strict) and make it runnable on CPU.
+
+    Returns (config dict for ``deepspeed.initialize``, precision, AdamW kwargs). The config's own
+    optimizer/scheduler blocks are replaced by a client ``torch.optim.AdamW`` with the same
+    lr / betas / eps / weight_decay (DeepSpeed's fused and CPU Adam need compiled ops);
+    batch keys are set from ``micro_batch`` / ``grad_accum`` (or the config's). Raises
+    ``InputError`` (one line: file, key, value, expectation) before anything starts.
+    """
+    from zeroplan.specs.deepspeed_config import load_ds_config
+
+    dsc = load_ds_config(ds_config, strict=True, hidden_size=hidden_size, micro_batch=micro_batch,
+                         grad_accum=grad_accum, world_size=nproc, precision=precision)
+    prec = precision or dsc.precision
+    if prec not in ("fp32", "bf16", "fp16"):  # pragma: no cover - the reader guarantees it
+        raise InputError(f"{dsc.path or '<config>'}: precision {prec!r}: expected fp32, bf16 or fp16")
+    raw = json.loads(json.dumps(dsc.raw))  # plain copy
+    mb = int(micro_batch or dsc.micro_batch or 1)
+    gas = int(grad_accum or dsc.grad_accum or 1)
+    for key in ("train_batch_size", "optimizer", "scheduler", "comms_logger", "fp16", "bf16", "bfloat16", "amp"):
+        raw.pop(key, None)
+    raw["train_micro_batch_size_per_gpu"] = mb
+    raw["gradient_accumulation_steps"] = gas
+    # "auto" values: the value zeroplan's reader resolved (HF Trainer rules), else DeepSpeed's default
+    for dotted, info in dsc.auto_resolved.items():
+        *parents, leaf = str(dotted).split(".")
+        node = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or node.get(leaf) != "auto":
+            continue
+        value = info.get("value") if isinstance(info, dict) else None
+        if value is None or value == "auto":
+            node.pop(leaf)
+        else:
+            node[leaf] = value
+    _drop_auto(raw)
+    base = make_ds_config(stage=int(dsc.zero.stage), precision=prec, micro_batch=mb, grad_accum=gas)
+    for k, v in base.items():
+        if k != "zero_optimization":
+            raw.setdefault(k, v)
+    raw["zero_force_ds_cpu_optimizer"] = False
+    raw["zero_allow_untested_optimizer"] = True
+    raw["comms_logger"] = base["comms_logger"]
+    raw.setdefault("zero_optimization", {"stage": int(dsc.zero.stage)})
+    op = {k: v for k, v in (dsc.optimizer_params or {}).items() if v != "auto"}  # "auto": torch's default
+    adamw: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.0}
+    try:
+        for key in ("lr", "weight_decay", "eps"):
+            if key in op:
+                adamw[key] = float(op[key])
+        if "betas" in op:
+            adamw["betas"] = tuple(float(b) for b in op["betas"])
+    except (TypeError, ValueError):
+        raise InputError(f"{dsc.path or '<config>'}: optimizer.params = {json.dumps(op)}: expected numbers "
+                         "for lr / weight_decay / eps and two numbers for betas") from None
+    return raw, prec, adamw
+
+
+def _drop_auto(node: Any) -> None:
+    """Remove any "auto" left (DeepSpeed itself drops them and uses its default)."""
+    if isinstance(node, dict):
+        for k in [k for k, v in node.items() if v == "auto"]:
+            node.pop(k)
+        for v in node.values():
+            _drop_auto(v)
+
+
+def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, warmup: int = 2,
+                         seq_len: int = 16, timeout_s: float = 900.0) -> list[list[DeepSpeedRankResult]]:
+    """Several configurations in ONE launch (DeepSpeed start-up costs ~10 s per launch).
+
+    ``runs``: [{"ds_config": path | JSON text | dict, "precision"?: str, "micro_batch"?: int,
+    "grad_accum"?: int}, ...]; every config is validated before anything starts. Returns, per
+    run, one ``DeepSpeedRankResult`` per rank (a failed run has ``failure`` set on its ranks).
+    """
+    if nproc < 1 or steps < 1 or warmup < 0:
+        raise InputError(f"DeepSpeed run: nproc={nproc}, steps={steps}, warmup={warmup}: "
+                         "expected nproc >= 1, steps >= 1, warmup >= 0")
+    hidden = getattr(spec, "hidden_size", None)
+    jobs = []
+    for i, run in enumerate(runs):  # zeroplan's own validation first: a bad config never reaches DeepSpeed
+        cfg, prec, adamw = prepare_ds_config(run["ds_config"], nproc=nproc, micro_batch=run.get("micro_batch"),
+                                             grad_accum=run.get("grad_accum"), precision=run.get("precision"),
+                                             hidden_size=hidden)
+        jobs.append({"name": f"run{i}", "ds_config": cfg, "precision": prec, "steps": warmup + steps,
+                     "seq_len": seq_len, "spec": spec, "adamw": adamw, "memory_step": warmup + steps - 1})
+    if not deepspeed_available():
+        raise InputError("--engine deepspeed: DeepSpeed is not installed; install it with "
+                         "DS_BUILD_OPS=0 pip install 'zeroplan[deepspeed]'")
+    out = run_deepspeed_jobs(jobs, nproc=nproc, timeout_s=timeout_s)
+    return [[_to_rank_result(r, raw, warmup, steps) for r, raw in enumerate(ranks)] for ranks in out]
+
+
+def run_deepspeed_steps(spec, ds_config: str | dict, *, nproc: int, steps: int = 2, warmup: int = 2,
+                        micro_batch: int | None = 1, seq_len: int = 16, grad_accum: int | None = None,
+                        precision: str | None = None, timeout_s: float = 900.0) -> list[DeepSpeedRankResult]:
+    """Train ``spec`` (a ModelSpec) with the REAL DeepSpeed engine on ``nproc`` CPU ranks (gloo).
+
+    ``ds_config``: path, JSON text or dict; validated strictly by zeroplan first (bad configs
+    raise ``InputError`` before DeepSpeed starts). ``warmup`` steps are run and not measured
+    (stage 3 needs 2: trace recording), then ``steps`` measured optimizer steps of
+    ``grad_accum`` micro-steps of ``micro_batch`` × ``seq_len`` tokens. ``precision``
+    (fp32/bf16/fp16) overrides the config's. Returns one ``DeepSpeedRankResult`` per rank.
+    """
+    run = {"ds_config": ds_config, "precision": precision, "micro_batch": micro_batch, "grad_accum": grad_accum}
+    return run_deepspeed_matrix(spec, [run], nproc=nproc, steps=steps, warmup=warmup, seq_len=seq_len,
+                                timeout_s=timeout_s)[0]
+
+
+def per_step_summary(result: DeepSpeedRankResult) -> dict[tuple[str, str], dict[str, int]]:
+    """(op, phase) -> {"count", "bytes"} per optimizer step (averaged over the measured steps, exact
+    when the steps are identical, which ``steps_identical`` checks)."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for rec in result.records:
+        e = out.setdefault((rec.op, rec.phase), {"count": 0, "bytes": 0})
+        e["count"] += 1
+        e["bytes"] += rec.buffer_bytes
+    n = max(1, result.steps)
+    return {k: {"count": v["count"] // n, "bytes": v["bytes"] // n} for k, v in sorted(out.items())}
+
+
+def steps_identical(result: DeepSpeedRankResult) -> bool:
+    """True when every measured step issued the same (op, phase, bytes, dtype) sequence."""
+    seqs = [[(r.op, r.phase, r.buffer_bytes, r.dtype) for r in st] for st in result.records_by_step]
+    return all(s == seqs[0] for s in seqs)

@@ -135,7 +135,10 @@ def measure_rank(rank: int, world: int, spec: Any, runs: list[dict[str, Any]], d
                 times: list[float] = []
                 states: dict[str, int] = {}
                 losses = []
+                fault = run.get("fault")
                 for s in range(run["warmup"] + run["steps"]):
+                    if fault and fault["rank"] == rank and fault.get("step", 0) == s:
+                        _inject(fault["kind"])
                     if s == run["warmup"]:
                         comm.reset()
                         meter.reset_peaks()
@@ -171,6 +174,19 @@ def measure_rank(rank: int, world: int, spec: Any, runs: list[dict[str, Any]], d
             gc.collect()
         out.append(res)
     return out
+
+
+def _inject(kind: str) -> None:
+    """Test hook (``run["fault"]``): make this rank hang, die or raise."""
+    import os
+    import signal
+
+    if kind == "hang":
+        time.sleep(3600)
+    elif kind == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        raise RuntimeError("injected fault")
 
 
 def _group(records: list[Any]) -> dict[str, dict[str, Any]]:
@@ -264,7 +280,8 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
                    micro_batch: int = 2, seq_len: int = 32, grad_accum: int = 1, steps: int = 2, warmup: int = 2,
                    comm_model: str = "deepspeed", hardware: Any = None, backend: str = "gloo",
                    memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
-                   tolerance: dict[str, float] | None = None, zero_overrides: dict[str, Any] | None = None) -> dict:
+                   tolerance: dict[str, float] | None = None, zero_overrides: dict[str, Any] | None = None,
+                   fault: dict[str, Any] | None = None) -> dict:
     """Measure and compare every stage; returns the JSON-able report (``ok`` = all within tolerance)."""
     from zeroplan.runtime.launch import RankError, join_torchrun, spawn, under_torchrun
 
@@ -278,7 +295,7 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
             zero = zero.model_copy(update=zero_overrides)
         runs.append({"zero": zero, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
                      "grad_accum": grad_accum, "warmup": max(warmup, 2 if st == 3 else warmup), "steps": steps,
-                     "comm_model": comm_model, "memory_limit_bytes": memory_limit_bytes})
+                     "comm_model": comm_model, "memory_limit_bytes": memory_limit_bytes, "fault": fault})
     failures = []
     world = nproc
     _preload_dispatch()

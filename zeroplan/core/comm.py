@@ -32,7 +32,7 @@ from zeroplan.core.layout import Layout, Stage3Schedule, ceil_div, greedy_bucket
 from zeroplan.specs.collectives import sent_bytes
 from zeroplan.specs.training import TrainingSetup
 
-__all__ = ["LedgerEntry", "PcieTransfer", "CommLedger", "build_ledger", "QWZ_BLOCK"]
+__all__ = ["LedgerEntry", "PcieTransfer", "CommLedger", "build_ledger", "offload_costs", "QWZ_BLOCK"]
 
 # DeepSpeed's stage-0 all-reduce bucket: engine.allreduce_gradients() uses the constant
 # MEMORY_OPT_ALLREDUCE_SIZE (elements), not reduce_bucket_size (measured, DS 0.19.8)
@@ -59,6 +59,7 @@ class PcieTransfer(BaseModel):
     direction: Literal["host_to_device", "device_to_host"]
     what: str
     bytes_per_step: int  # per GPU
+    source: Literal["cpu", "nvme"] = "cpu"  # nvme: the bytes also cross the node's NVMe bandwidth
 
 
 class CommLedger(BaseModel):
@@ -68,6 +69,8 @@ class CommLedger(BaseModel):
     bytes_per_gpu_per_step_by_op: dict[str, int]
     inter_node_bytes_per_gpu_per_step: int  # bytes that cross the node boundary (per GPU)
     pcie: list[PcieTransfer] = Field(default_factory=list)
+    cpu_optimizer_params_per_gpu: int = 0  # parameters the CPU optimizer updates per step (optimizer offload)
+    nvme_bytes_per_gpu_per_step: int = 0  # optimizer-state swap traffic to NVMe (read + write)
     notes: list[str] = Field(default_factory=list)
 
 
@@ -77,6 +80,7 @@ class _Builder:
         self.gpn = min(gpus_per_node, n)
         self.nodes = ceil_div(n, self.gpn)
         self.entries: list[LedgerEntry] = []
+        self._index: dict[tuple, LedgerEntry] = {}
 
     def add(self, op: str, phase: str, what: str, buffer_bytes: int, count: int, dtype: str,
             overlap: bool, group: str = "all", group_size: int | None = None) -> None:
@@ -86,22 +90,38 @@ class _Builder:
         if gs <= 1:
             return
         per = sent_bytes(op, buffer_bytes, gs)
-        for e in self.entries:  # merge identical calls
-            if (e.op, e.phase, e.what, e.buffer_bytes, e.dtype, e.group, e.group_size, e.overlap) == (
-                op, phase, what, buffer_bytes, dtype, group, gs, overlap
-            ):
-                e.count += count
-                e.sent_bytes += count * per
-                return
-        self.entries.append(LedgerEntry(
+        key = (op, phase, what, buffer_bytes, dtype, group, gs, overlap)
+        e = self._index.get(key)
+        if e is not None:  # merge identical calls
+            e.count += count
+            e.sent_bytes += count * per
+            return
+        e = LedgerEntry(
             op=op, phase=phase, what=what, buffer_bytes=buffer_bytes, count=count, dtype=dtype,
             group=group, group_size=gs, overlap=overlap, sent_bytes_per_call=per, sent_bytes=count * per,
-        ))
+        )
+        self._index[key] = e
+        self.entries.append(e)
 
     def buckets(self, op: str, phase: str, what: str, sizes: list[int], elem_bytes: int, count: int,
                 dtype: str, overlap: bool) -> None:
         for s in sizes:
             self.add(op, phase, what, s * elem_bytes, count, dtype, overlap)
+
+
+def offload_costs(layout: Layout, training: TrainingSetup, zero: Any) -> tuple[int, int]:
+    """(parameters the CPU optimizer updates per step per GPU, NVMe optimizer swap bytes per step per GPU)."""
+    stage = int(getattr(zero, "stage", 0))
+    dev = getattr(getattr(zero, "offload_optimizer", None), "device", "none")
+    dev = str(getattr(dev, "value", dev))
+    if stage < 1 or dev == "none":
+        return 0, 0
+    part = layout.partition_12 if stage < 3 else layout.partition_3
+    nvme = 0
+    if dev == "nvme":
+        # fp32 master + optimizer states + fp32 gradients are read and written back each step
+        nvme = 2 * int((training.optimizer_bytes_per_param + 4) * part)
+    return part, nvme
 
 
 def build_ledger(
@@ -213,6 +233,7 @@ def build_ledger(
     off_par = getattr(getattr(zero, "offload_param", None), "device", "none")
     off_opt = str(getattr(off_opt, "value", off_opt))
     off_par = str(getattr(off_par, "value", off_par))
+    cpu_params, nvme_bytes = offload_costs(layout, training, zero)
     if stage >= 1 and off_opt != "none":
         part = layout.partition_12 if stage < 3 else layout.partition_3
         down_count = 1 if stage == 1 else gas
@@ -223,7 +244,7 @@ def build_ledger(
     if stage == 3 and off_par != "none":
         fetched = sum(e.count * (e.buffer_bytes // n) for e in B.entries if e.op == "all_gather" and e.phase != "step")
         pcie.append(PcieTransfer(direction="host_to_device", what="parameter partitions fetched for every gather",
-                                 bytes_per_step=fetched))
+                                 bytes_per_step=fetched, source="nvme" if off_par == "nvme" else "cpu"))
 
     by_op: dict[str, int] = {}
     total = 0
@@ -245,5 +266,7 @@ def build_ledger(
         bytes_per_gpu_per_step_by_op=by_op,
         inter_node_bytes_per_gpu_per_step=inter,
         pcie=pcie,
+        cpu_optimizer_params_per_gpu=cpu_params,
+        nvme_bytes_per_gpu_per_step=nvme_bytes,
         notes=notes,
     )

@@ -18,6 +18,7 @@ Element counts throughout (multiply by a dtype size for bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from zeroplan.specs.model import ModelSpec
 
@@ -52,6 +53,7 @@ class Layout:
     tensors: list[Tensor]
     modules: list[Module] = field(default_factory=list)
     persistent_tensors: list[Tensor] = field(default_factory=list)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # a layout is never mutated
 
     # stages 1-2
     @property
@@ -66,25 +68,31 @@ class Layout:
     def padded(self, numel: int) -> int:
         return ceil_div(numel, self.n) * self.n
 
-    @property
+    @cached_property
     def partition_3(self) -> int:
         """Elements of one rank's stage-3 partition (every param, padded to N, / N)."""
         return sum(ceil_div(t.numel, self.n) for t in self.tensors)
 
-    @property
+    @cached_property
     def padded_total_3(self) -> int:
         return self.partition_3 * self.n
 
-    @property
+    @cached_property
     def persistent_numel(self) -> int:
         return sum(t.numel for t in self.persistent_tensors)
 
-    @property
+    @cached_property
     def largest_tensor(self) -> int:
         return max((t.numel for t in self.tensors), default=0)
 
     def sub_groups_3(self, sub_group_size: int) -> list[int]:
         """Stage-3 optimizer sub-groups: partition numel per group, groups close when >= size."""
+        key = ("sg", sub_group_size)
+        if key not in self._memo:
+            self._memo[key] = self._sub_groups_3(sub_group_size)
+        return list(self._memo[key])
+
+    def _sub_groups_3(self, sub_group_size: int) -> list[int]:
         groups: list[int] = []
         cur = 0
         for t in self.tensors:
@@ -100,11 +108,12 @@ class Layout:
         """Gradient buckets. ``order``: "reverse" = gradient-ready order (hooks), "forward" =
         parameter order (stage 0, stage 1 without overlap_comm). ``flush``: "before" adding
         (stages 1–3) or "after" adding once over the size (stage 0's allreduce_no_retain)."""
-        seq = self.tensors if order == "forward" else list(reversed(self.tensors))
-        sizes = [t.numel if stage < 3 else self.padded(t.numel) for t in seq]
-        if flush == "after":
-            return greedy_buckets_after(sizes, bucket_elems)
-        return greedy_buckets(sizes, bucket_elems)
+        key = ("gb", bucket_elems, stage, order, flush)
+        if key not in self._memo:
+            seq = self.tensors if order == "forward" else list(reversed(self.tensors))
+            sizes = [t.numel if stage < 3 else self.padded(t.numel) for t in seq]
+            self._memo[key] = (greedy_buckets_after if flush == "after" else greedy_buckets)(sizes, bucket_elems)
+        return list(self._memo[key])
 
     def bucket_ranges_12(self, bucket_elems: int, order: str) -> list[tuple[int, int]]:
         """Stage 1/2 buckets as [start, end) ranges of the flat buffer (pre-add flush)."""
@@ -139,7 +148,7 @@ class Layout:
             a = b
         return out
 
-    @property
+    @cached_property
     def persistent_padded(self) -> int:
         """Persistent params are stored whole, padded to a multiple of N (measured, DS 0.19.8)."""
         return sum(self.padded(t.numel) for t in self.persistent_tensors)

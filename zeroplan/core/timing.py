@@ -18,7 +18,10 @@ Overlap: collectives marked ``overlap`` can hide behind the compute of their pha
 (forward = 1/3, backward = 2/3 of the compute, +1/3 recompute with full checkpointing).
 best case: exposed = non-overlappable + max(0, overlappable − compute of that phase);
 worst case: everything exposed. ``step_time_s`` = compute + the mean of the two
-(``step_time_best_s`` / ``step_time_worst_s`` bracket it). Offload PCIe traffic is exposed.
+(``step_time_best_s`` / ``step_time_worst_s`` bracket it). Offload costs are exposed: PCIe
+traffic at the profile's per-GPU PCIe bandwidth, the CPU optimizer step at
+``CPU_ADAM_PARAMS_PER_S`` parameters per second per rank (an assumption), and NVMe swap traffic
+at the node's NVMe bandwidth shared by its GPUs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ from zeroplan.specs.training import TrainingSetup
 __all__ = ["TimeEstimate", "collective_time_s", "estimate_time", "algbw_busbw", "DEFAULT_MFU"]
 
 DEFAULT_MFU = 0.4
+# CPU optimizer throughput per GPU rank (DeepSpeedCPUAdam, parameters updated per second).
+# An assumption, stated in the output: DeepSpeed reports CPU-Adam updating ~1e9 params/s on
+# a server's cores; with one rank per GPU sharing the host, 1e9 per rank is optimistic.
+CPU_ADAM_PARAMS_PER_S = 1.0e9
 
 
 def algbw_busbw(op: str, size_bytes: int, time_s: float, n: int) -> tuple[float, float]:
@@ -75,6 +82,7 @@ class TimeEstimate(BaseModel):
     comm_time_s: float  # all collectives, serialised
     exposed_time_s: dict[str, float]  # {"best": .., "worst": ..}
     pcie_time_s: float
+    offload_time_s: float  # CPU optimizer step + NVMe swap (exposed; 0 without offload)
     step_time_s: float
     step_time_best_s: float
     step_time_worst_s: float
@@ -125,8 +133,15 @@ def estimate_time(
     worst = comm
     pcie_bw = hw.node.pcie_bandwidth_GBps_per_gpu * 1e9
     pcie = sum(p.bytes_per_step for p in ledger.pcie) / pcie_bw if ledger.pcie else 0.0
-    best += pcie
-    worst += pcie
+    offload = 0.0
+    if ledger.cpu_optimizer_params_per_gpu:
+        offload += ledger.cpu_optimizer_params_per_gpu / CPU_ADAM_PARAMS_PER_S
+    nvme = ledger.nvme_bytes_per_gpu_per_step + sum(p.bytes_per_step for p in ledger.pcie if p.source == "nvme")
+    if nvme:
+        nvme_bw = hw.node.nvme_bandwidth_GBps * 1e9 / max(1, min(gpus_per_node, n_gpus))
+        offload += nvme / nvme_bw
+    best += pcie + offload
+    worst += pcie + offload
     step_best = compute + best
     step_worst = compute + worst
     step = compute + (best + worst) / 2
@@ -136,6 +151,7 @@ def estimate_time(
         comm_time_s=comm,
         exposed_time_s={"best": best, "worst": worst},
         pcie_time_s=pcie,
+        offload_time_s=offload,
         step_time_s=step,
         step_time_best_s=step_best,
         step_time_worst_s=step_worst,

@@ -165,7 +165,8 @@ def measure_rank(rank: int, world: int, spec: Any, runs: list[dict[str, Any]], d
                 losses=losses,
             )
         except SimulatedOutOfMemory as exc:
-            res["oom"] = {"phase": exc.phase, "requested_bytes": exc.requested_bytes, "live_bytes": exc.live_bytes,
+            res["oom"] = {"phase": exc.phase, "where": getattr(exc, "where", None),
+                          "requested_bytes": exc.requested_bytes, "live_bytes": exc.live_bytes,
                           "limit_bytes": exc.limit_bytes, "by_category": exc.by_category, "message": str(exc)}
         finally:
             if engine is not None:
@@ -338,8 +339,9 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
             o = ooms[0]["oom"]
             finding = {
                 "rule": "BENCH-OOM", "severity": "error", "stage": st, "ranks": [m["rank"] for m in ooms],
-                "phase": o["phase"], "message": (
-                    f"stage {st}: out of memory in {o['phase']} on rank(s) {', '.join(str(m['rank']) for m in ooms)} "
+                "phase": o["phase"], "where": o.get("where"), "message": (
+                    f"stage {st}: out of memory in {o['phase']}{' during the ' + o['where'] if o.get('where') else ''} "
+                    f"on rank(s) {', '.join(str(m['rank']) for m in ooms)} "
                     f"({o['live_bytes']} bytes live + {o['requested_bytes']} requested > limit {o['limit_bytes']}); "
                     f"predicted {o['phase']} peak {plan.memory.phases[o['phase']].peak} bytes, "
                     f"predicted peak {plan.memory.peak} bytes ({plan.memory.peak_phase}: {plan.memory.peak_reason})"),
@@ -386,6 +388,7 @@ def _render(report: dict) -> None:
     from rich.table import Table
 
     con = Console(highlight=False)
+    con = Console(highlight=False, width=max(con.width, 120))  # the table needs ~110 columns
     m = report["model"]
     con.print(f"[bold]bench zero[/]: {m['name']} ({m['params']:,} parameters, {m['layers']} layers, hidden "
               f"{m['hidden']}), N={report['world_size']}, {report['precision']}, {report['comm_model']} schedule; "

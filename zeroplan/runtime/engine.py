@@ -670,7 +670,21 @@ class ZeroEngine:
                     self._gather_params(missing)
 
     def _gather_params(self, ps: list[int]) -> None:
-        """One all-gather of the params ``ps`` (Σp̂ elements); each param becomes a full tensor."""
+        """One all-gather of the params ``ps`` (Σp̂ elements); each param becomes a full tensor.
+
+        A ``MemoryError`` raised inside (a tracker's memory limit, a CUDA OOM) gets a ``where``
+        attribute naming the gather and its size.
+        """
+        try:
+            self._gather_params_inner(ps)
+        except MemoryError as exc:
+            names = sorted({self.names[i].rsplit(".", 1)[0] for i in ps})
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            exc.where = (f"stage-3 all-gather of {shown} ({sum(self.chunk[i] for i in ps) * self.n} elements, "
+                         f"{self.comm.phase})")
+            raise
+
+    def _gather_params_inner(self, ps: list[int]) -> None:
         torch = self.torch
         n = self.n
         with torch.no_grad():

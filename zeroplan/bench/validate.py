@@ -273,9 +273,11 @@ def compare(plan: Any, measured: list[dict], *, model_state_tol: float = MODEL_S
 # ---------------------------------------------------------------------- the bench
 def _rank_entry(rank: int, world: int, spec: Any, runs: list[dict], device: str) -> list[dict]:
     if device == "cuda":
+        import os
+
         import torch
 
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     return measure_rank(rank, world, spec, runs, device)
 
 
@@ -467,13 +469,20 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
     if prec not in ("fp32", "bf16", "fp16"):
         raise InputError(f"--precision {prec!r}: expected fp32, bf16 or fp16")
     st_list = _parse_stages(stage if stage is not None else stages, ds)
+    for st in st_list:
+        z = _zero_config(st, ds)
+        if st == 3 and str(z.offload_param.device) != "none":
+            where = f"{ds_config}: zero_optimization.offload_param.device" if ds_config else "offload_param"
+            raise InputError(f"{where} = {z.offload_param.device!r}: parameter offload is not implemented by the "
+                             "bundled engine; expected 'none' for bench zero (the planner still models it)")
     full = load_model(model)
     hw = None
     if hardware is not None:
         from zeroplan.specs.hardware import load_profile
 
         hw = load_profile(hardware)
-    mb = _positive("--micro-batch", micro_batch if micro_batch is not None else 2)
+    mb = _positive("--micro-batch", micro_batch if micro_batch is not None else
+                   (ds.micro_batch if ds is not None and ds.micro_batch else 2))
     sl = _positive("--seq-len", seq_len if seq_len is not None else 32)
     ga = _positive("--grad-accum", grad_accum if grad_accum is not None else
                    (ds.grad_accum if ds is not None and ds.grad_accum else 1))

@@ -1,59 +1,65 @@
 """A compact, faithful ZeRO engine (stages 0-3) on an ``InstrumentedComm``.
 
-It executes exactly the collective schedule of /work/briefs/ledger.md (``zeroplan.core.comm``)
-for both flavours, and keeps the buffers DeepSpeed 0.19.8 keeps
-(deepspeed-internals.md §4), tagged by category for ``zeroplan.runtime.memory``:
+It executes exactly the collective schedule of the ledger (/work/briefs/ledger.md, revision 2,
+measured on DeepSpeed 0.19.8; predicted by ``zeroplan.core.comm``) for both flavours, and keeps
+the buffers DeepSpeed keeps (deepspeed-internals.md §4), tagged by category for
+``zeroplan.runtime.memory``.
 
-Notation: Ψ parameters in the model's tensor order (forward order), N ranks, b_p bytes of the
+Notation: Ψ parameters in the model's tensor order (forward order), N ranks, b bytes of the
 model dtype (= gradient and communication dtype), g micro-steps per optimizer step.
 
-- Every stage keeps an fp32 master copy (also in fp32 training: 4/4/12 bytes per parameter,
-  the planner's 20-byte baseline) and AdamW m, v in fp32: ``optimizer_states`` = 12 bytes per
-  owned element (stage 0: all Ψ; stages 1-2: Ψ₁₂/N; stage 3: Σ⌈numel/N⌉).
-- stage 0: params and gradients are flat Ψ-element buffers (gradients created at the first
-  backward of a step, freed after the step); at the accumulation boundary every gradient
-  bucket is flattened (a bucket-sized copy) and all-reduced.
-- stages 1-2: one flat bit16 buffer of all params padded to Ψ₁₂ = ⌈Ψ/2N⌉·2N; rank r owns
-  [r·Ψ₁₂/N, (r+1)·Ψ₁₂/N). Gradient buckets go through the ``ipg`` buffer of
-  ``reduce_bucket_size`` elements (two with ``overlap_comm``: double buffering, async
-  all-reduce) when ``contiguous_gradients``, and a flatten copy is all-reduced (DeepSpeed's
-  ``allreduce_bucket``); with ``use_multi_rank_bucket_allreduce=false`` each bucket is split at
-  partition boundaries and every piece is ``reduce``d to its owner. Stage 1 keeps full flat
-  gradients (Ψ₁₂) and reduces once at the boundary; stage 2 reduces every micro-step from
-  post-accumulate-grad hooks and keeps only its Ψ₁₂/N partition. After the step: one
-  all-gather of the flat buffer (in place), plus the 1-byte overflow flag and the 4-byte
-  norm all-reduces (``deepspeed`` flavour).
+- Every stage keeps an fp32 master copy — also in fp32 training (4/4/12 bytes per parameter,
+  the planner's 20-byte baseline; DeepSpeed's stage 0 in fp32 has no separate master) — and
+  AdamW m, v in fp32: ``optimizer_states`` = 12 bytes per owned element (stage 0: Ψ; stages
+  1-2: Ψ₁₂/N; stage 3: Σ⌈numel/N⌉).
+- stage 0: flat Ψ-element params and gradients (gradients from the first backward of a step
+  until after the step). At the boundary the gradients are all-reduced in DeepSpeed's
+  stage-0 buckets: forward order, a constant 5e8 elements, flushed after adding once over
+  (``paper``: reduce_bucket_size, reverse order, flushed before overflowing); each bucket is
+  flattened (a bucket-sized copy). fp32: one 4-byte norm all-reduce after the step.
+- stages 1-2: one flat bit16 buffer padded to Ψ₁₂ = ⌈Ψ/2N⌉·2N; rank r owns
+  [r·Ψ₁₂/N, (r+1)·Ψ₁₂/N). Buckets of ``reduce_bucket_size`` elements, flushed before
+  overflowing, in forward order for stage 1 without ``overlap_comm`` and gradient-ready order
+  otherwise. Gradients are copied into the ``ipg`` buffer (two with ``overlap_comm``: double
+  buffering, async all-reduce) as they arrive; each bucket is sliced at owner-partition
+  boundaries and the slices are packed (flush after adding once over ``reduce_bucket_size``)
+  into all-reduces of a flatten copy; with ``use_multi_rank_bucket_allreduce=false`` each slice
+  is ``reduce``d to its owner. Stage 1 keeps full flat gradients (Ψ₁₂) and reduces once at the
+  boundary; stage 2 reduces every micro-step from post-accumulate-grad hooks and keeps only
+  its Ψ₁₂/N partition. After the step: one in-place all-gather of the flat buffer, the
+  1-byte overflow flag (bf16/fp16 only) and the 4-byte norm.
 - stage 3: every parameter is partitioned on its own, padded to p̂ = ⌈numel/N⌉·N; rank r keeps
-  its p̂/N slice (``params``), an equal bit16 gradient partition (``gradients``, persistent) and
-  the fp32 states. Parameters with numel <= ``param_persistence_threshold`` (within the
-  ``model_persistence_threshold`` cap) are also kept whole on every rank. Each module that
-  directly owns non-persistent parameters is one gather unit: a forward pre-hook all-gathers
-  its parameters in one call (buffer Σp̂, then per-parameter copies: the ~2× transient of a
-  coalesced gather; a single parameter is a view into its padded buffer); after the unit's
-  last forward use it is released unless its reuse distance 2·Σ_{later units} Σp̂ <=
-  ``max_reuse_distance`` (``deepspeed``; ``paper``: always released). A custom autograd node on
-  the module's output re-gathers a released unit before its backward; the unit is released
-  again once all its gradients are reduced. Gradients go into the persistent ``ipg`` bucket
-  (``reduce_bucket_size`` elements, padded p̂ per parameter), are interleaved per rank into a
-  bucket-sized copy and reduce-scattered. After the step: one all-gather per persistent
-  parameter and an 8-byte fp64 norm all-reduce (``deepspeed`` flavour).
-- Bucketing (all stages) follows the ledger's canonical order — reverse of the tensor order,
-  greedy flush before an overflowing gradient, an oversized gradient alone — whatever order
-  autograd produces gradients in (a ready-pointer walks the canonical order).
+  its p̂/N slice (``params``), an equal bit16 gradient partition (``gradients``, persistent)
+  and the fp32 states. Parameters with numel <= ``param_persistence_threshold`` (within
+  ``model_persistence_threshold``) are also kept whole, stored padded to p̂. Forward
+  all-gathers follow DeepSpeed's prefetch: with bound = min(max_live_parameters,
+  prefetch_bucket_size) > Σ non-persistent numel, ONE gather of everything; else chunks of
+  consecutive params closed once their unpadded numel reaches the bound (bound 0: one per
+  module). A module's params are released after its last forward use iff it is re-gathered
+  in backward: D(i) = 2·Σ numel of later modules >= ``max_reuse_distance`` (``paper``: every
+  module, one gather per module). A custom autograd node on the module's output re-gathers a
+  released module (one call, Σp̂) before its backward; the module is released again once all
+  its gradients are reduced. A coalesced gather makes one flat buffer then one copy per
+  param (the ~2x transient); a single param is a view into its padded buffer. Gradients are
+  copied into the persistent ``ipg`` bucket (p̂ per param) as they arrive, interleaved per rank
+  into a bucket-sized copy and reduce-scattered. After the step: one all-gather per
+  persistent param, in place, and the norm all-reduce (8-byte fp64; 4-byte fp32 with offload).
+- Bucketing always follows the ledger's canonical order whatever order autograd produces
+  gradients in (a ready-pointer walks the canonical order).
 - ``paper`` flavour, stages 1-2: gradients are reduce-scattered in partition-aligned buckets:
   each rank's partition is cut into chunks of c = max(1, ⌊reduce_bucket_size/N⌋) elements and
-  bucket k holds chunk k of every rank (N·c elements, the last one shorter), so every rank
-  receives exactly its own partition: ⌈(Ψ₁₂/N)/c⌉ calls, Σ = Ψ₁₂ elements. (A reduce-scatter
-  needs equal per-rank chunks; greedy tensor buckets cannot be reduce-scattered onto a flat
-  partition without a second exchange.)
-- The step: per optimizer group (stage 3: ``sub_group_size`` sub-groups of the partition;
-  stages 0-2: the whole partition) a bit16 flatten copy of the gradient partition, its fp32
-  copy (mixed precision) and one fp32 AdamW temporary (the denominator) are live; then the
-  new bit16 values are written back. ``offload_optimizer`` keeps the fp32 master, m, v and an
-  fp32 gradient partition on the host (``host=True`` tags: not device memory) and runs AdamW
-  there, on CPU and CUDA alike.
-- Stage-3 prefetch is not implemented (the current module is gathered on demand): it changes
-  no collective bytes, only when they are issued and how many units are live.
+  bucket k holds chunk k of every rank (N·c elements, the last one shorter): ⌈(Ψ₁₂/N)/c⌉
+  calls per reduction, Σ = Ψ₁₂ elements. A reduce-scatter needs equal per-rank chunks, so the
+  greedy tensor buckets of ``core.comm``'s paper flavour cannot be executed as such.
+- The step: per optimizer group (stage 3: ``sub_group_size`` sub-groups; else the partition) a
+  bit16 flatten copy of the gradient partition, its fp32 copy (mixed precision) and one fp32
+  AdamW temporary (the denominator) are live, then the bit16 values are written back.
+  ``offload_optimizer`` keeps the fp32 master, m, v, the fp32 gradient and (stages 2-3) the
+  bit16 gradient partition on the host (pinned on CUDA; host memory, not device memory) and
+  runs AdamW there, on CPU and CUDA alike.
+- Not implemented: stage-3 param offload (``offload_param``), prefetch *ahead* of use (chunks
+  are gathered on demand; the bytes and calls are DeepSpeed's), ZeRO++ (qwZ/hpZ/qgZ), fp16
+  loss scaling (fp16 runs unscaled), gradient clipping.
 """
 
 from __future__ import annotations

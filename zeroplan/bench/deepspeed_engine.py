@@ -311,9 +311,13 @@ def _collect_storages(engine, extra_roots: dict[str, Any] | None = None, max_dep
             key = (st.data_ptr(), nbytes)
             view = t.numel() * t.element_size() < nbytes
             rank = 2 if (view and path.endswith(".grad")) else 1 if view else 0
+            category = _categorize(path)
+            if hasattr(t, "ds_tensor") and hasattr(t, "ds_status"):
+                # a ZeRO-3 parameter's full data: kept whole if persistent, else a gathered copy
+                category = "params" if getattr(t, "ds_persist", False) else "buffers"
             if key not in claims or rank < claims[key][0]:
                 claims[key] = (rank, path, {"bytes": nbytes, "dtype": _dtype_name(t), "numel": int(t.numel()),
-                                            "category": _categorize(path)})
+                                            "category": category})
         for attr in ("ds_tensor", "grad"):
             sub = getattr(t, attr, None) if attr != "grad" else (t.grad if t.is_leaf else None)
             if isinstance(sub, torch.Tensor):
@@ -529,7 +533,19 @@ def _register_backward_snapshot(engine, out: dict):
     return first.register_post_accumulate_grad_hook(hook)
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this rank when the launching process dies (no orphaned ranks)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
 def _worker(rank: int, nproc: int, port: int, jobs: list[dict], out_dir: str) -> None:
+    _die_with_parent()
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
                        "DS_ACCELERATOR": "cpu"})

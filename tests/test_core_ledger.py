@@ -55,7 +55,8 @@ def test_closed_forms_all_stages(spec, n, prec, b, gas):
         ds = plan(spec, stage, n, prec, gas, "deepspeed", reduce_bucket_size=big)
         assert ds.comm.bytes_per_gpu_per_step == reps * (2 * (n - 1) * psi * b // n) + ag + scalars_12
         paper = plan(spec, stage, n, prec, gas, "paper", reduce_bucket_size=big)
-        assert paper.comm.bytes_per_gpu_per_step == reps * ((n - 1) * psi * b // n) + ag
+        # partition-aligned reduce-scatter buckets cover the padded flat buffer Ψ₁₂
+        assert paper.comm.bytes_per_gpu_per_step == reps * ((n - 1) * p12 * b // n) + ag
     one_pass = (n - 1) * padded3 * b // n
     norm8 = 2 * (n - 1) * 8 // n
     # stage 3, small model: one prefetch gathers everything, no backward re-gather (measured)

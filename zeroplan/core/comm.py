@@ -14,7 +14,8 @@ Two flavours (``comm_model``):
   micro-step, re-gathers in backward only modules whose reuse distance exceeds
   ``stage3_max_reuse_distance``, reduce-scatters gradient buckets every micro-step, and
   after the step gathers each persistent parameter and all-reduces an 8-byte norm.
-- ``paper`` — the ZeRO paper: stages 1–2 reduce-scatter + all-gather (2Ψ), stage 3
+- ``paper`` — the ZeRO paper: stages 1–2 reduce-scatter (in partition-aligned buckets of
+  ``reduce_bucket_size // N`` elements per rank) + all-gather (2Ψ), stage 3
   gathers in forward and again in backward for every module (3Ψ).
 Both use the same padded layout (core/layout.py). ZeRO++ (stage 3): qwZ gathers int8
 weights plus fp32 block scales, hpZ re-gathers in backward inside the node from a
@@ -172,8 +173,16 @@ def build_ledger(
                         B.add("reduce", "backward", "gradient bucket slice to its owner", size * b_c, per_step, cdt,
                               overlap)
         else:
-            B.buckets("reduce_scatter", "backward", "gradient bucket", layout.grad_buckets(rbs, stage, order=order),
-                      b_c, per_step, cdt, overlap)
+            # a reduce-scatter needs equal per-rank chunks: partition-aligned buckets of
+            # c = max(1, reduce_bucket_size // N) elements per rank, ceil(Ψ₁₂/N / c) calls
+            c = max(1, rbs // n)
+            part = layout.partition_12
+            full, rest = divmod(part, c)
+            B.add("reduce_scatter", "backward", "gradient bucket (partition-aligned)", n * c * b_c, per_step * full,
+                  cdt, overlap)
+            if rest:
+                B.add("reduce_scatter", "backward", "gradient bucket (partition-aligned)", n * rest * b_c, per_step,
+                      cdt, overlap)
         B.add("all_gather", "step", "updated parameters (flat, padded to 2N)", layout.flat_padded * b_p, 1, pdt, False)
         if ds:
             if mixed:

@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.activations import ActivationBreakdown, activation_memory
+from zeroplan.core.comm import STAGE0_BUCKET
 from zeroplan.core.layout import Layout, Stage3Schedule, build_layout, stage3_schedule
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
@@ -269,8 +270,9 @@ def memory_for_stage(
     host.per_node_bytes = host.per_gpu_bytes * gpus_per_node
     host.pinned_per_node_bytes = pinned * gpus_per_node
 
-    # gradients that persist outside backward/step
-    grads_fwd = gpu_grads_end if stage == 3 else 0
+    # gradients that persist outside backward/step: stage 3's partition buffer always; with
+    # gradient accumulation the previous micro-steps' gradients are live in the next forward
+    grads_fwd = gpu_grads_end if (stage == 3 or training.grad_accum > 1) else 0
 
     # ---- buffers by phase ----
     fwd_buf = 0
@@ -278,7 +280,8 @@ def memory_for_stage(
     step_buf = 0
     gather_f = gather_b = None
     if stage == 0:
-        buffers["allreduce_flatten"] = b_c * min(rbs, psi)
+        # stage 0 buckets are DeepSpeed's constant 5e8 elements, not reduce_bucket_size
+        buffers["allreduce_flatten"] = b_c * min(STAGE0_BUCKET, psi)
         bwd_buf += buffers["allreduce_flatten"]
     elif stage in (1, 2):
         if contiguous:

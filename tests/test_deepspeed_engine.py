@@ -216,13 +216,6 @@ def test_closed_forms_from_the_architecture():
 # Stages 1/2: DeepSpeed's gradient partition (grads_in_partition) holds every parameter that overlaps
 # the rank's partition WHOLE (Σ numel of params_in_partition), not Ψ₁₂/N: at N = 4 rank 0 holds the
 # whole embedding (108,090 elements, not 98,708).
-_KNOWN = {("stage0-fp32", "optimizer_states"): "DeepSpeed stage 0 fp32 keeps no separate fp32 master copy",
-          ("stage1-fp32", "gradients"): "stage 1/2 gradient partition = params overlapping the partition, whole",
-          ("stage1-bf16", "gradients"): "stage 1/2 gradient partition = params overlapping the partition, whole",
-          ("stage2-fp32", "gradients"): "stage 1/2 gradient partition = params overlapping the partition, whole",
-          ("stage2-bf16", "gradients"): "stage 1/2 gradient partition = params overlapping the partition, whole"}
-
-
 @needs_ds
 @pytest.mark.slow
 @pytest.mark.deepspeed
@@ -238,6 +231,14 @@ def test_model_states_within_one_percent(case):
         "gradients": mem.gradients + host.get("fp32_gradient_partition", 0) + host.get("bit16_gradient_partition", 0),
     }
     stage = run["ds_config"]["zero_optimization"]["stage"]
+    from zeroplan.core.layout import build_layout
+
+    layout = build_layout(_spec(), n)
+    if stage == 0 and run["precision"] == "fp32":
+        # The one documented difference: without ZeRO, DeepSpeed trains fp32 on the parameters
+        # themselves (no separate fp32 master, 16 B/param); zeroplan keeps the 20-byte baseline
+        # (4 / 4 / 12) as the planning contract. See examples/validation/deepspeed.md.
+        predicted["optimizer_states"] -= 4 * _spec().params
     failures = []
     for result in _results(n)[i]:
         _ok(result)
@@ -251,13 +252,17 @@ def test_model_states_within_one_percent(case):
             "gradients": max(result.memory_before_step["gradients"],
                              result.memory_in_backward.get("gradients", 0) if stage <= 1 else 0),
         }
-        for cat, want in predicted.items():
+        per_rank = dict(predicted)
+        if stage == 2 and not host:
+            # the gradient partition buffer holds the whole params overlapping each rank's
+            # partition: per-rank sizes differ, the plan reports the largest (the peak rank)
+            lo, hi = layout.grad_partition_span_12(result.rank)
+            per_rank["gradients"] = (hi - lo) * (2 if run["precision"] == "bf16" else 4)
+            assert per_rank["gradients"] <= predicted["gradients"]
+        for cat, want in per_rank.items():
             if abs(measured[cat] - want) > 0.01 * want:
                 failures.append((f"stage{stage}-{run['precision']}", cat, result.rank, measured[cat], want))
-    real = [f for f in failures if (f[0], f[1]) not in _KNOWN]
-    assert not real, f"(config, category, rank, DeepSpeed bytes, zeroplan bytes): {real}"
-    if failures:
-        pytest.xfail(_KNOWN[(failures[0][0], failures[0][1])])
+    assert not failures, f"(config, category, rank, DeepSpeed bytes, zeroplan bytes): {failures}"
 
 
 @needs_ds

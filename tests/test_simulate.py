@@ -22,8 +22,19 @@ def _nonpersistent_free_states(spec, n, stage, thr=100_000):
     numels = [t.numel for t in spec.tensors if t.tied_to is None]
     psi = sum(numels)
     if stage == 2:
+        # the heaviest rank: its gradient buffer covers the whole params overlapping its slice
         flat = math.ceil(psi / (2 * n)) * 2 * n
-        return 2 * flat, 2 * flat // n, 12 * flat // n
+        part = flat // n
+        widest = 0
+        for r in range(n):
+            lo, hi = r * part, (r + 1) * part
+            a, b, off = lo, hi, 0
+            for k in numels:
+                if off < hi and off + k > lo:
+                    a, b = min(a, off), max(b, off + k)
+                off += k
+            widest = max(widest, b - a)
+        return 2 * flat, 2 * widest, 12 * part
     part = sum(math.ceil(k / n) for k in numels)
     pers = sum(math.ceil(k / n) * n for k in numels if k <= thr)
     return 2 * (part + pers), 2 * part, 12 * part

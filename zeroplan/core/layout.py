@@ -64,6 +64,29 @@ class Layout:
     def partition_12(self) -> int:
         return self.flat_padded // self.n
 
+    def grad_partition_span_12(self, rank: int) -> tuple[int, int]:
+        """[lo, hi) of the flat buffer a rank's stage-1/2 gradient partition buffer covers.
+
+        DeepSpeed's ``copy_grads_in_partition`` sizes it by the WHOLE parameters that overlap
+        the rank's partition (measured, DS 0.19.8), so it can exceed Ψ₁₂/N by up to two
+        parameters; the partition itself is a view into it.
+        """
+        part = self.partition_12
+        p_lo, p_hi = rank * part, (rank + 1) * part
+        lo, hi = p_lo, p_hi
+        pos = 0
+        for t in self.tensors:
+            a, b = pos, pos + t.numel
+            if a < p_hi and b > p_lo:
+                lo, hi = min(lo, a), max(hi, b)
+            pos = b
+        return lo, hi
+
+    @cached_property
+    def grad_partition_12_max(self) -> int:
+        """Elements of the largest stage-2 gradient partition buffer over all ranks."""
+        return max(hi - lo for lo, hi in (self.grad_partition_span_12(r) for r in range(self.n)))
+
     # stage 3
     def padded(self, numel: int) -> int:
         return ceil_div(numel, self.n) * self.n

@@ -132,7 +132,7 @@ def model_state_bytes(layout: Layout, training: TrainingSetup, stage: int) -> tu
         n_p = n_g = n_o = layout.params
     elif stage in (1, 2):
         n_p = layout.flat_padded
-        n_g = layout.flat_padded if stage == 1 else layout.partition_12
+        n_g = layout.flat_padded if stage == 1 else layout.grad_partition_12_max
         n_o = layout.partition_12
     else:
         n_p = layout.partition_3 + layout.persistent_padded

@@ -313,12 +313,26 @@ class ZeroEngine:
     def _new_grad_part(self) -> Any:
         """The bit16 gradient partition: on the device, or on the host with optimizer offload."""
         if not self.offload:
+            if self.stage in (1, 2):
+                # DeepSpeed sizes the buffer by the whole params overlapping the partition
+                # (copy_grads_in_partition); the partition is a view into it (core/layout.py)
+                lo, hi = self._grad_span()
+                buf = self._empty(hi - lo, "gradients", zero=True)
+                return buf[self.part_lo - lo:self.part_lo - lo + self.part_n]
             return self._empty(self.part_n, "gradients", zero=True)
         with self._host():
             t = self.torch.zeros(self.part_n, dtype=self.dtype, device=self.host)
         if self.device.type == "cuda":
             t = t.pin_memory()
         return self._tag(t, "gradients", host=True)
+
+    def _grad_span(self) -> tuple[int, int]:
+        p_lo, p_hi = self.part_lo, self.part_lo + self.part_n
+        lo, hi = p_lo, p_hi
+        for off, n in zip(self.offsets, self.numels):
+            if off < p_hi and off + n > p_lo:
+                lo, hi = min(lo, off), max(hi, off + n)
+        return lo, hi
 
     def _owned(self, lo: int, hi: int) -> tuple[int, int] | None:
         a, b = max(lo, self.part_lo), min(hi, self.part_lo + self.part_n)

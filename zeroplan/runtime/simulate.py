@@ -4,8 +4,9 @@ Under ``FakeTensorMode`` every tensor has a shape, a dtype and a (fake) storage 
 data, and torch's fake process group answers every collective at once. The ZeRO engine,
 the model and the storage tracker run unchanged, so the per-rank memory by category and
 phase, and the exact collective schedule, of e.g. llama-2-70b at N = 64 are traced in
-seconds within a few hundred MiB of RAM. Rank 0 of the N ranks is simulated (all ranks hold
-equally sized partitions; the loss is NaN: fake tensors have no values).
+seconds within a few hundred MiB of RAM. The heaviest of the N ranks is simulated (rank 0
+unless the stage-1/2 gradient partition buffers differ by rank; the loss is NaN: fake
+tensors have no values).
 
 Private APIs (wrapped; a moved API raises ``SimulationUnavailable`` saying which):
 ``torch._subclasses.fake_tensor.FakeTensorMode`` and
@@ -38,8 +39,29 @@ def _private_apis() -> tuple[Any, Any]:
     return FakeTensorMode, FakeStore
 
 
+def heaviest_rank(spec: Any, n: int, stage: int) -> int:
+    """The rank holding the most model-state bytes: in stages 1-2 the gradient partition buffer
+    covers the whole params overlapping a rank's slice (DeepSpeed's sizing), so ranks differ;
+    otherwise every rank holds the same and rank 0 is simulated."""
+    if stage not in (1, 2) or n <= 1:
+        return 0
+    numels = [t.numel for t in spec.tensors if t.tied_to is None]
+    part = (-(-sum(numels) // (2 * n)) * 2 * n) // n
+    best, best_rank = -1, 0
+    for r in range(n):
+        lo, hi = r * part, (r + 1) * part
+        a_lo, a_hi, off = lo, hi, 0
+        for k in numels:
+            if off < hi and off + k > lo:
+                a_lo, a_hi = min(a_lo, off), max(a_hi, off + k)
+            off += k
+        if a_hi - a_lo > best:
+            best, best_rank = a_hi - a_lo, r
+    return best_rank
+
+
 def simulate_rank(spec: Any, zero: Any, *, n: int, precision: str, micro_batch: int = 1, seq_len: int = 128,
-                  grad_accum: int = 1, comm_model: str = "deepspeed", steps: int = 3) -> dict:
+                  grad_accum: int = 1, comm_model: str = "deepspeed", steps: int = 3, rank: int | None = None) -> dict:
     """Trace one rank of an ``n``-rank run: the last of ``steps`` optimizer steps is measured.
 
     Returns the same measurement dict as ``zeroplan.bench.validate.measure_rank`` (collectives
@@ -59,7 +81,9 @@ def simulate_rank(spec: Any, zero: Any, *, n: int, precision: str, micro_batch: 
     FakeTensorMode, FakeStore = _private_apis()
     if dist.is_initialized():
         raise RuntimeError("simulate_rank needs a process without an initialised torch.distributed group")
-    dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+    if rank is None:
+        rank = heaviest_rank(spec, n, int(getattr(zero, "stage", 0)))
+    dist.init_process_group("fake", rank=rank, world_size=n, store=FakeStore())
     engine = None
     try:
         comm = InstrumentedComm()
@@ -80,7 +104,7 @@ def simulate_rank(spec: Any, zero: Any, *, n: int, precision: str, micro_batch: 
                 states = r["model_states"]
                 if s == steps - 1:
                     per_step.append(_group(comm.records[n0:]))
-        return {"rank": 0, "collectives": per_step[0], "steady": True, "model_states": states,
+        return {"rank": rank, "collectives": per_step[0], "steady": True, "model_states": states,
                 "phase_peaks": tracker.phase_peaks(), "host_bytes": int(tracker.host_bytes), "step_time_s": None,
                 "losses": None}
     finally:

@@ -246,10 +246,14 @@ def compare(plan: Any, measured: list[dict], *, model_state_tol: float = MODEL_S
         rows.append(_row("collective", "every measured step issued the same schedule", 1, 0, 0.0))
     # model states
     mem = plan.memory
-    ms = r0["model_states"]
+    # the plan reports the heaviest rank; stage 2's gradient buffer covers whole params (a buffer
+    # line in the plan, part of the measured gradient storage)
+    ms = {c: max(r["model_states"].get(c, 0) for r in measured) for c in _STATES}
+    want = {c: getattr(mem, c) for c in _STATES}
+    want["gradients"] += mem.buffers_detail.get("gradient_partition_whole_params", 0)
     for cat in _STATES:
-        rows.append(_row("model_state", cat, getattr(mem, cat), ms.get(cat, 0), model_state_tol))
-    rows.append(_row("model_state", "model_states", mem.params + mem.gradients + mem.optimizer_states,
+        rows.append(_row("model_state", cat, want[cat], ms.get(cat, 0), model_state_tol))
+    rows.append(_row("model_state", "model_states", sum(want.values()),
                      sum(ms.get(c, 0) for c in _STATES), model_state_tol))
     # phase peaks (max over ranks) and the breakdown at the peak
     for ph in _PHASES:

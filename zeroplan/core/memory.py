@@ -132,7 +132,7 @@ def model_state_bytes(layout: Layout, training: TrainingSetup, stage: int) -> tu
         n_p = n_g = n_o = layout.params
     elif stage in (1, 2):
         n_p = layout.flat_padded
-        n_g = layout.flat_padded if stage == 1 else layout.grad_partition_12_max
+        n_g = layout.flat_padded if stage == 1 else layout.partition_12
         n_o = layout.partition_12
     else:
         n_p = layout.partition_3 + layout.persistent_padded
@@ -290,6 +290,16 @@ def memory_for_stage(
         buffers["allreduce_flatten"] = b_c * min(rbs, psi)
         bwd_buf += buffers["allreduce_flatten"]
         bwd_buf += buffers.get("offload_gpu_temp_grad", 0)
+        if stage == 2 and off_opt == "none":
+            # DeepSpeed sizes the gradient partition buffer by the whole params that overlap a
+            # rank's slice (copy_grads_in_partition): the largest rank holds this much more
+            extra = b_g * (layout.grad_partition_12_max - layout.partition_12)
+            if extra:
+                buffers["gradient_partition_whole_params"] = extra
+                bwd_buf += extra
+                step_buf += extra
+                if training.grad_accum > 1:
+                    fwd_buf += extra
     else:
         if contiguous:
             buffers["ipg_bucket"] = b_g * rbs

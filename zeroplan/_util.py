@@ -48,7 +48,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.exists():
         raise InputError(f"{target}: directory {parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        raise InputError(f"{target}: cannot write here: {exc.strerror or exc}") from None
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -58,11 +61,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError):
+            raise InputError(f"{target}: cannot write: {exc.strerror or exc}") from None
         raise
     return target
 

@@ -6,7 +6,7 @@ stage on the given model and hardware:
 
 | rule  | severity        | meaning |
 |-------|-----------------|---------|
-| ZP000 | error           | the config cannot be read (malformed JSON); nothing else is evaluated |
+| ZP000 | error           | the config cannot be read (malformed JSON, empty, binary, not UTF-8); nothing else is evaluated |
 | ZP101 | error           | predicted peak per GPU exceeds GPU memory: OOM (peak, what dominates) |
 | ZP102 | error           | stage 3: states + buffers + activations fit, but the parameter gather pushes the phase over GPU memory — the "OOM during the gather phase" (names the module) |
 | ZP103 | warning         | fits, but headroom is under ``min_headroom`` (default 10%) of GPU memory |
@@ -28,6 +28,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -205,9 +206,16 @@ def check_config(
     from zeroplan.commands._inputs import build_plan_inputs, zero_for_stage
     from zeroplan.advice.recommend import is_ethernet
 
-    text = read_text_file(path, "DeepSpeed config")
-    lines = key_lines(text)
     findings: list[LocatedFinding] = []
+    if not Path(path).is_file():  # a missing path or a directory is a command-line mistake: exit 2
+        read_text_file(path, "DeepSpeed config")
+    try:
+        text = read_text_file(path, "DeepSpeed config")
+    except InputError as exc:  # empty, binary, not UTF-8: reported like malformed JSON (ZP000)
+        msg = str(exc)
+        findings.append(LocatedFinding(rule_id="ZP000", severity="error", message=msg, file=path, line=1))
+        return ConfigCheck(path=path, verdict="fail", findings=findings, rules=["ZP000"], error=msg)
+    lines = key_lines(text)
 
     def add(rule: str, severity: str, message: str, key: str = "", value: Any = None) -> None:
         findings.append(LocatedFinding(rule_id=rule, severity=severity, message=message, key=key, file=path,

@@ -62,6 +62,7 @@ def run_estimate(**kw):
         training=training_summary(inp.training),
         comm_model=comm_model,
         assumptions=inp.assumptions,
+        ds_config_findings=list(inp.ds.findings) if inp.ds is not None else [],
         stages=plans,
     )
     return result, inp

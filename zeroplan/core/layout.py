@@ -12,7 +12,7 @@ Element counts throughout (multiply by a dtype size for bytes).
 - Tied parameters are one parameter (the tied copy is skipped).
 - Count-only specs: the default shape's tensors rarely sum to the stated count; the
   difference is absorbed so the inventory sums to Ψ exactly (added as one extra pseudo
-  module when positive, taken from the largest tensor when negative).
+  module when positive; every tensor scaled down proportionally when negative).
 """
 
 from __future__ import annotations
@@ -269,9 +269,14 @@ def build_layout(
     if tensors and diff > 0:
         tensors.append(Tensor("(rest of the stated count)", "(rest of the stated count)", diff))
     elif tensors and diff < 0:
-        i = max(range(len(tensors)), key=lambda k: tensors[k].numel)
-        t = tensors[i]
-        tensors[i] = Tensor(t.name, t.module, t.numel + diff)
+        # the default shape is larger than the stated count: scale every tensor down
+        # proportionally (never below 0) and give the rounding remainder to the largest
+        scaled = [Tensor(t.name, t.module, t.numel * spec.params // total) for t in tensors]
+        rest = spec.params - sum(t.numel for t in scaled)
+        i = max(range(len(scaled)), key=lambda k: scaled[k].numel)
+        t = scaled[i]
+        scaled[i] = Tensor(t.name, t.module, t.numel + rest)
+        tensors = [t for t in scaled if t.numel > 0]
     elif not tensors:
         tensors = [Tensor("(all parameters)", "(model)", spec.params)]
 

@@ -16,6 +16,7 @@ from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for
 from zeroplan.core.layout import build_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
+from zeroplan.specs.findings import Finding
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
 
@@ -153,6 +154,7 @@ class EstimateResult(BaseModel):
     training: dict[str, Any]
     comm_model: str
     assumptions: list[str]
+    ds_config_findings: list[Finding] = Field(default_factory=list)  # from --ds-config (DS001..DS011)
     stages: list[Plan]
 
 

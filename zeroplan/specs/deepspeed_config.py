@@ -725,7 +725,8 @@ def _read_zero(r: _Reader, raw_top: dict[str, Any], zero_raw: Any,
     # Stage first: HF's hidden-size rules for stage-3 keys depend on it.
     stage_raw = zero_raw.get("stage", 0)
     if _is_auto(stage_raw):
-        r.add("DS007", "warning", "zero_optimization.stage",
+        # the stage decides everything zeroplan computes: under --strict it is an error
+        r.add("DS007", "error" if r.strict else "warning", "zero_optimization.stage",
               "zero_optimization.stage = \"auto\": zeroplan cannot know the stage Accelerate "
               "would fill in; DeepSpeed drops \"auto\" -> stage 0 (pass --stage to plan another)",
               stage_raw)

@@ -54,7 +54,8 @@ TiB = 2**40
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a TOML string "8" is not a number (no lax coercion); ints are accepted for floats
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class GPUSpec(_Strict):
@@ -347,6 +348,8 @@ def parse_profile_toml(text: str, where: str = "<toml>") -> HardwareProfile:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputError(f"{where}: malformed TOML: {exc}") from None
+    except RecursionError:
+        raise InputError(f"{where}: malformed TOML: nested too deeply") from None
     if "path" in data:
         raise InputError(f"{where}: unknown key path; the file location is not stored in the file")
     _reject_bools(data, where)

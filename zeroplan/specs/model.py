@@ -46,6 +46,7 @@ import copy
 import difflib
 import functools
 import json
+import re
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -226,6 +227,9 @@ class _Cfg:
             v = int(v)
             if positive and v <= 0:
                 raise InputError(f"{self.where}: key {k!r} = {v}, expected a positive integer")
+            limit = _MAX_LAYERS if k in _LAYER_KEYS else _MAX_DIM
+            if v > limit:
+                raise InputError(f"{self.where}: key {k!r} = {v}, expected at most {limit:,} (a real model size)")
             if not positive and v < 0:
                 raise InputError(f"{self.where}: key {k!r} = {v}, expected a non-negative integer")
             return v
@@ -726,12 +730,20 @@ def _unknown(ref: str) -> InputError:
 
 # --------------------------------------------------------------------------- files
 
+# sanity bounds on config.json sizes: far beyond any real model, small enough to stay fast
+_MAX_DIM = 10**8  # hidden / intermediate / vocab / positions / heads / experts
+_MAX_LAYERS = 100_000
+_LAYER_KEYS = {"num_hidden_layers", "n_layer", "num_layers", "n_layers"}
+
+
 def _parse_json(path: Path) -> Any:
     text = read_text_file(path, "model config")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except RecursionError:
+        raise InputError(f"{path}: invalid JSON: nested too deeply for a config.json") from None
 
 
 def _load_path(p: Path) -> ModelSpec:
@@ -765,6 +777,8 @@ def load_model(ref: str) -> ModelSpec:
     except InputError:
         if ref.strip().lower().endswith(".json") or "/" in ref:
             raise InputError(f"{ref}: model config not found") from None
+        if re.match(r"^\s*[-+]?[0-9.]+(?:[eE][+-]?[0-9]+)?\s*[KMBGTkmbgt]?\s*$", ref):
+            raise  # a number that is out of range: parse_count says why
         raise _unknown(ref) from None
     return spec_from_count(ref)
 

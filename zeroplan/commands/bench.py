@@ -173,6 +173,8 @@ def zero(
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds before hung ranks are killed."),
     output: Optional[str] = typer.Option(None, "--output", help="Write the JSON report to this file (atomic)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
+    engine: str = typer.Option("zeroplan", "--engine", help="zeroplan (the bundled runtime) or deepspeed (DeepSpeed's "
+                               "real engine with --ds-config; needs zeroplan[deepspeed])."),
 ) -> None:
     """Run real ZeRO steps per stage and compare predicted vs measured memory and collectives."""
     try:
@@ -183,7 +185,7 @@ def zero(
                    optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                    steps=steps, warmup=warmup, layers=layers, hidden=hidden, nproc=nproc, simulate=simulate,
                    gpus=gpus, backend=backend, comm_model=comm_model, memory_limit=memory_limit,
-                   tolerance=tolerance, timeout=timeout, output=output, json_out=json_out)
+                   tolerance=tolerance, timeout=timeout, output=output, json_out=json_out, engine=engine)
     code = run_bench_zero_cli(**options)
     if code:
         raise typer.Exit(int(code))

@@ -232,3 +232,20 @@ def test_table_output():
                                  "--min-bytes", "1K", "--max-bytes", "2K", "--iters", "2", "--warmup", "0"])
     assert result.exit_code == 0, result.output
     assert "busbw GB/s" in result.output and "all_reduce" in result.output and "1 KiB" in result.output
+
+
+def test_save_profile_across_nodes_stores_the_per_gpu_share(tmp_path):
+    """A ring over all GPUs of several nodes measures the nodes' NICs together; the profile
+    stores the per-GPU share (the planner multiplies it back by GPUs per node)."""
+    from zeroplan.bench.fit import fit_alpha_beta
+
+    base = tmp_path / "base.toml"
+    base.write_text(_BASE_PROFILE)
+    prof = tmp_path / "measured.toml"
+    data = _run_json("--nproc", "4", "--gpus-per-node", "2", "--group", "all", "--ops", "all_reduce",
+                     "--min-bytes", "64K", "--max-bytes", "1M", "--factor", "4", "--save-profile", str(prof),
+                     "--hardware", str(base))
+    saved = tomllib.loads(prof.read_text())
+    whole = fit_alpha_beta([(r["size_bytes"] * r["busbw_factor"], r["time_s"]) for r in data["results"]])
+    assert math.isclose(saved["inter_node"]["bandwidth_GBps_per_gpu"], whole.bandwidth_GBps / 2, rel_tol=1e-6)
+    assert "/ 2 GPUs per node" in saved["sources"]["inter_node.bandwidth_GBps_per_gpu"]

@@ -395,15 +395,22 @@ def save_profile_from_report(report: CollectivesReport, path: str, hardware: str
     sources = dict(base.sources)
     out: dict[str, dict[str, float]] = {}
     for tier, f in fits.items():
-        latency_us = max(f.latency_us, 0.1)  # the profile schema's floor (0.1 us)
+        latency_us = min(max(f.latency_us, 0.1), 10_000.0)  # the profile schema's bounds (0.1 us .. 10 ms)
+        bw = f.bandwidth_GBps
+        per_gpu_note = ""
+        if tier == "inter_node" and report.group == "all" and report.nodes > 1:
+            # a ring over all GPUs crosses nodes on every NIC at once: the measured bus bandwidth is
+            # the node's NICs together; the profile stores the per-GPU share (core/timing.py)
+            bw = f.bandwidth_GBps / max(1, report.gpus_per_node)
+            per_gpu_note = f"; busbw {f.bandwidth_GBps:.4g} GB/s over whole nodes / {report.gpus_per_node} GPUs per node"
         updates[tier] = getattr(base, tier).model_copy(update={
-            "bandwidth_GBps_per_gpu": f.bandwidth_GBps, "latency_us": latency_us, "efficiency": 1.0,
+            "bandwidth_GBps_per_gpu": bw, "latency_us": latency_us, "efficiency": 1.0,
         })
-        sources[f"{tier}.bandwidth_GBps_per_gpu"] = f"{note} (R^2 {f.r2:.3f})"
+        sources[f"{tier}.bandwidth_GBps_per_gpu"] = f"{note} (R^2 {f.r2:.3f}){per_gpu_note}"
         sources[f"{tier}.latency_us"] = note + ("" if latency_us == f.latency_us else
-                                                f" (fitted {f.latency_us:.3g} us, raised to the 0.1 us floor)")
+                                                f" (fitted {f.latency_us:.3g} us, clamped to the schema's 0.1 us .. 10 ms)")
         sources[f"{tier}.efficiency"] = f"{note}: 1.0 because the bandwidth is the measured bus bandwidth"
-        out[tier] = {"latency_us": latency_us, "bandwidth_GBps": f.bandwidth_GBps, "r2": f.r2,
+        out[tier] = {"latency_us": latency_us, "bandwidth_GBps": bw, "r2": f.r2,
                      "points": f.points, "max_rel_error": f.max_rel_error}
     updates["sources"] = sources
     updates["name"] = f"{base.name}-measured"

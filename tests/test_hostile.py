@@ -7,7 +7,8 @@ the key and the problem; never a traceback; nothing on stdout under --json; no o
 Each case below is a file (model config.json, hardware-profile TOML, DeepSpeed JSON, NCCL
 log) or an option value, built from a known-good input by one deliberate mutation. Cases
 that expose a bug in code this module does not own are marked ``xfail(strict=True)`` with
-the reason; they start passing (and must lose the marker) when the bug is fixed.
+the reason; they start passing (and must lose the marker) when the bug is fixed. Most of the
+cases here found a bug when they were written (fixed in 99cad77); they stay as regressions.
 """
 
 from __future__ import annotations
@@ -116,10 +117,6 @@ def _deep_json(depth: int) -> str:
 # 1. Model config.json (--model PATH)
 # ---------------------------------------------------------------------------------------------
 
-BUG_DEEP_MODEL = ("BUG: specs/model.py _parse_json does not catch RecursionError: a deeply nested config.json "
-                  "gives a traceback (exit 1) instead of exit 2")
-BUG_HUGE_DIM = ("BUG: specs/model.py _Cfg.int has no upper bound: hidden_size=1e30 (an integral float) is "
-                "accepted and planned (exit 0); expected exit 2 naming the key")
 
 MODEL_CASES = [
     Case("truncated", _text(json.dumps(TINYLLAMA)[:57]), ("invalid JSON", "line 1")),
@@ -153,8 +150,8 @@ MODEL_CASES = [
     Case("moe-top-k-above-experts", _json(_llama(model_type="mixtral", num_local_experts=2, num_experts_per_tok=4)),
          ("num_experts_per_tok",)),
     Case("unknown-type-missing-keys", _json({"model_type": "mamba", "d_model": 768}), ("mamba", "missing")),
-    Case("deeply-nested", _text(_deep_json(100_000)), ("nested",), xfail=BUG_DEEP_MODEL),
-    Case("huge-1e30-hidden", _json(_llama(hidden_size=1e30)), ("hidden_size",), xfail=BUG_HUGE_DIM),
+    Case("deeply-nested", _text(_deep_json(100_000)), ("nested",)),
+    Case("huge-1e30-hidden", _json(_llama(hidden_size=1e30)), ("hidden_size",)),
     Case("directory-without-config", _mkdir, ("config.json",), suffix=""),
 ]
 
@@ -226,19 +223,11 @@ def test_model_reference_values(value):
     assert_rejected(r)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: specs/model.py load_model swallows parse_count's message: '--model 1e30' and '--model 0' say "
-    "'is not a file, a catalog name or a count' instead of 'beyond 1e16' / 'must be positive'"))
 @pytest.mark.parametrize("value,problem", [("1e30", "1e16"), ("0", "positive")])
 def test_model_count_out_of_range_names_the_problem(value, problem):
     assert_rejected(invoke(["estimate", "--model", value, "--gpus", "8", "--json"]), problem)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: core/layout.py build_layout: a count below the default shape's size ('--model 100') takes the "
-    "difference from the largest tensor, which goes negative: stage-3 params/model_states are negative "
-    "(-34930012 bytes at 8 GPUs) and the ledger carries a 16M-element embedding. Reject counts the shape "
-    "cannot carry, or scale the shape down"))
 def test_tiny_count_gives_no_negative_bytes_or_is_rejected():
     r = invoke(["estimate", "--model", "100", "--gpus", "8", "--json"])
     if r.exit_code == 2:
@@ -260,10 +249,6 @@ def test_tiny_count_gives_no_negative_bytes_or_is_rejected():
     assert negatives == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: specs/model.py has no upper bound on num_hidden_layers / hidden_size: a config with "
-    "num_hidden_layers=1e9 builds a 1e9-layer tensor inventory and hangs (killed after 5 s) "
-    "instead of exit 2 naming the key"))
 def test_model_config_absurd_layer_count_is_rejected_quickly(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_llama(num_hidden_layers=1_000_000_000)))
@@ -289,10 +274,6 @@ def _insert_after(header: str, line: str):
     return _text(GOOD_TOML.replace(header + "\n", header + "\n" + line + "\n", 1))
 
 
-BUG_DEEP_TOML = ("BUG: specs/hardware.py parse_profile_toml catches only TOMLDecodeError; tomllib raises "
-                 "RecursionError on a deeply nested array: traceback instead of exit 2")
-BUG_STR_NUM = ("BUG: specs/hardware.py: pydantic lax mode coerces a TOML string '8' to 8 for node.gpus_per_node "
-               "(exit 0); booleans are rejected but strings are not; expected exit 2 'expected an integer'")
 
 HW_CASES = [
     Case("truncated", _text(GOOD_TOML[: len(GOOD_TOML) // 2]), ("malformed TOML",), ".toml"),
@@ -325,8 +306,7 @@ HW_CASES = [
     Case("array-for-number", _sub("gpus_per_node = 8", "gpus_per_node = [8]"), ("node.gpus_per_node",), ".toml"),
     Case("date-for-number", _sub("gpus_per_node = 8", "gpus_per_node = 1979-05-27"), ("node.gpus_per_node",),
          ".toml"),
-    Case("string-for-number", _sub("gpus_per_node = 8", 'gpus_per_node = "8"'), ("node.gpus_per_node",), ".toml",
-         xfail=BUG_STR_NUM),
+    Case("string-for-number", _sub("gpus_per_node = 8", 'gpus_per_node = "8"'), ("node.gpus_per_node",), ".toml"),
     Case("table-for-string", _sub('name = "dgx-h100"', 'name = {first = "dgx"}'), ("name",), ".toml"),
     Case("empty-name", _sub('name = "dgx-h100"', 'name = "  "'), ("name",), ".toml"),
     Case("duplicate-key", _sub("gpus_per_node = 8", "gpus_per_node = 8\ngpus_per_node = 4"), ("malformed TOML",),
@@ -351,8 +331,7 @@ HW_CASES = [
     Case("unknown-section", _text(GOOD_TOML.replace("[sources]", "[cooling]\nwatts = 10200\n\n[sources]", 1)),
          ("cooling",), ".toml"),
     Case("path-key", _sub('name = "dgx-h100"', 'name = "dgx-h100"\npath = "/etc/passwd"'), ("path",), ".toml"),
-    Case("deeply-nested", _text("a = " + "[" * 100_000 + "]" * 100_000 + "\n"), ("nested",), ".toml",
-         xfail=BUG_DEEP_TOML),
+    Case("deeply-nested", _text("a = " + "[" * 100_000 + "]" * 100_000 + "\n"), ("nested",), ".toml"),
     Case("directory", _mkdir, ("directory",), ".toml"),
 ]
 
@@ -411,8 +390,6 @@ def _ds_block(block: str, key: str, value):
     return d
 
 
-BUG_AUTO_STAGE = ("BUG (contract): '\"stage\": \"auto\"' cannot be resolved (DS007 is a warning even under "
-                  "--strict): zeroplan plans stage 0 (DeepSpeed drops the value) and exits 0; issue 8 asks for exit 2")
 
 BUG_KEY_NEWLINE = ("BUG: specs/deepspeed_config.py puts keys into messages raw: a key with an escaped newline "
                    "('x\\n::error ...') makes the --strict error two lines (found by fuzzing); quote keys "
@@ -462,7 +439,7 @@ DS_CASES = [
     Case("unknown-key-optimizer", _json(_ds_block("optimizer", "param", {})), ("optimizer.param",)),
     Case("newline-in-key", _json(_ds(**{"x\n::error file=evil.py::injected": 1})), ("zero_optimization",),
          xfail=BUG_KEY_NEWLINE),
-    Case("stage-auto", _json(_ds(stage="auto")), ("zero_optimization.stage", "auto"), xfail=BUG_AUTO_STAGE),
+    Case("stage-auto", _json(_ds(stage="auto")), ("zero_optimization.stage", "auto")),
     Case("directory", _mkdir, ("directory",)),
 ]
 
@@ -509,10 +486,6 @@ def test_deepspeed_config_errors_are_shown_without_strict(name, cfg, rule, key, 
     assert rule in r.output and key in r.output
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: estimate --json drops the DeepSpeed config findings (EstimateResult in core/plan.py has no "
-    "findings; commands/estimate.py passes them only to the table renderer): an error DeepSpeed would "
-    "refuse to start on is silent in the JSON, exit 0"))
 @pytest.mark.parametrize("name,cfg,rule,key", NONSTRICT_ERRORS, ids=[c[0] for c in NONSTRICT_ERRORS])
 def test_deepspeed_config_errors_are_in_the_json_without_strict(name, cfg, rule, key, tmp_path):
     path = tmp_path / "ds.json"
@@ -549,10 +522,6 @@ def test_check_deeply_nested_config_is_rejected_quickly(tmp_path):
     assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (consistency): check exits 1 (a ZP000 finding) for malformed JSON but 2 for an empty or binary "
-    "config (advice/check.py catches InputError from parse_ds_json but not from read_text_file); one kind "
-    "of unreadable config should give one exit code"))
 def test_check_unreadable_configs_share_one_exit_code(tmp_path):
     codes = {}
     for name, data in {"trunc.json": b'{"zero_optimization": {"stage": 3', "empty.json": b"",
@@ -625,10 +594,6 @@ def test_output_directory_missing(cmd, tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs procfs: a directory no one can create files in")
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: _util.atomic_write_bytes lets OSError from mkstemp/write/replace escape (read-only or "
-    "unwritable directory, disk full): a traceback (exit 1) instead of exit 2 naming the path and the "
-    "OS error"))
 @pytest.mark.parametrize("cmd", list(OUTPUT_COMMANDS))
 def test_output_directory_unwritable(cmd):
     target = "/proc/zeroplan-hostile-test.out"  # procfs refuses new files, for root too

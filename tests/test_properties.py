@@ -140,12 +140,10 @@ def test_memory_categories_are_non_negative_integers_that_add_up(m, training, n,
         assert all(isinstance(v, int) and v >= 0 for v in ph.by_category.values()), (name, ph.by_category)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: core/layout.py build_layout takes a count spec's shortfall from its largest tensor, which goes "
-    "negative when the stated count is below the default shape's size (the smallest shape, hidden 256, "
-    "has ~16.6M parameters): negative stage-3 params and model_states, e.g. --model 100 on 8 GPUs"))
 @pytest.mark.parametrize("count", [1, 100, 10_000, 1_000_000])
 def test_every_bare_count_gives_non_negative_bytes(count):
+    """Regression (found by this battery, fixed in 99cad77): counts below the default shape's size
+    once gave negative stage-3 bytes."""
     spec = load_model(str(count))
     n = 8
     for stage in range(4):
@@ -204,8 +202,14 @@ def test_sharded_states_never_grow_with_more_gpus(m, training, n1, n2, stage):
 def test_higher_stage_never_needs_more_model_state_memory(m, training, n):
     spec = m.spec
     ms = [states(spec, training, zero(s, persistence=0), n).memory.model_states for s in range(4)]
+    bp, bg = training.precision.param_bytes, training.precision.grad_bytes
     if n >= 2:
-        assert ms[1] <= ms[0], ms
+        # stage 1 pads the replicated flat buffer to 2N elements; once the model has at least
+        # 8 elements per GPU the sharded optimizer states pay that back (found by hypothesis: a
+        # 1,600-parameter model on 3,198 GPUs is 8 bytes bigger at stage 1 than at stage 0)
+        assert ms[1] <= ms[0] + (bp + bg) * 2 * n, ms
+        if spec.params >= 8 * n:
+            assert ms[1] <= ms[0], ms
     assert ms[2] <= ms[1], ms
     assert ms[3] <= ms[2], ms
 

@@ -554,6 +554,19 @@ def test_nccl_log(case: Case, tmp_path):
     assert_rejected(invoke(["nccl-log", str(path), "--json"]), str(path), *case.needles)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG (found by fuzzing): inspect/nccl_log.py _TREE_ITEM's down group [-\\d/]+ accepts '--' and int('--') "
+    "raises ValueError (traceback, exit 1) on a garbled 'Trees' line (e.g. two ranks' writes interleaved); "
+    "skip or report the line instead"))
+def test_nccl_log_garbled_tree_line(tmp_path):
+    path = tmp_path / "train.log"
+    path.write_text("host:1:1 [0] NCCL INFO NCCL version 2.18.1+cuda12.1\n"
+                    "host:1:1 [0] NCCL INFO Trees [0] 1/--/-1->0->-1\n")
+    r = invoke(["nccl-log", str(path), "--json"])
+    assert r.exit_code in (0, 2) and isinstance(r.exception, SystemExit) or r.exception is None, repr(r.exception)
+    assert "Traceback" not in r.output
+
+
 def test_nccl_log_missing(tmp_path):
     path = tmp_path / "missing.log"
     assert_rejected(invoke(["nccl-log", str(path), "--json"]), str(path), "not found")

@@ -256,7 +256,7 @@ def test_zero_rank_killed_mid_step(tmp_path):
 
 
 def test_zero_stalled_rank_hits_the_timeout(tmp_path):
-    args = [a if a != "120" else "8" for a in ZERO_RUN]
+    args = [a if a != "120" else "6" for a in ZERO_RUN]
     cmd = Command(args, tmp_path)
     try:
         ranks = cmd.ranks(2)
@@ -265,7 +265,7 @@ def test_zero_stalled_rank_hits_the_timeout(tmp_path):
         rc, took = cmd.wait(60)
         assert rc == 1, cmd.stderr()[-2000:]
         text = cmd.stderr() + cmd.stdout()
-        assert "Traceback" not in text and "rank" in text and "8 s" in text
+        assert "Traceback" not in text and "rank" in text and "6 s" in text
         assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
         cmd.assert_no_survivors()
     finally:

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=True)
     except InputError as exc:
-        _error(str(exc).replace("[", "\\["))
+        _error(" ".join(str(exc).splitlines()).replace("[", "\\["))
         sys.exit(2)
     except KeyboardInterrupt:
         _error("interrupted")

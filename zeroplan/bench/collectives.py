@@ -328,6 +328,9 @@ def run_collectives(cfg: BenchConfig, *, nproc: int = 2, backend: str = "auto", 
         if per_rank is None:  # not rank 0
             return None
         return aggregate(per_rank, cfg, backend=backend, launcher="torchrun")
+    from zeroplan.runtime.launch import check_world_size
+
+    check_world_size(nproc)  # --nproc first: the node layout is derived from it
     if cfg.gpus_per_node is None:
         cfg = cfg.model_copy(update={"gpus_per_node": nproc})
     _check_groups(cfg, nproc, cfg.gpus_per_node)

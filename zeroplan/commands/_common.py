@@ -30,7 +30,8 @@ def err_console():
 
 def fail(msg: str, code: int = 2) -> None:
     """Print one error line on stderr and exit with ``code`` (2 = bad input)."""
-    err_console().print(f"[bold red]error:[/] {msg.replace('[', chr(92) + '[')}")
+    one_line = " ".join(str(msg).splitlines())  # user-supplied keys can carry newlines: keep it one line
+    err_console().print(f"[bold red]error:[/] {one_line.replace('[', chr(92) + '[')}")
     raise typer.Exit(code)
 
 

@@ -232,7 +232,8 @@ _COMM_NODES = re.compile(
 )
 _RING = re.compile(r"^Channel (?P<ch>\d+)/(?P<n>\d+) :(?P<ranks>(?:\s+\d+)+)\s*$")
 _TREES = re.compile(r"^Trees(?P<body>(?: \[\d+\] [-\d/]+->-?\d+->-?\d+)+)")
-_TREE_ITEM = re.compile(r"\[(?P<ch>\d+)\] (?P<down>[-\d/]+)->(?P<rank>-?\d+)->(?P<up>-?\d+)")
+# children: "-1/-1/-1" style, each item an optional minus and digits (a garbled line does not match)
+_TREE_ITEM = re.compile(r"\[(?P<ch>\d+)\] (?P<down>-?\d+(?:/-?\d+)*)->(?P<rank>-?\d+)->(?P<up>-?\d+)")
 _CONN = re.compile(
     r"^Channel (?P<ch>\d+)(?:/(?P<conn>\d+))? : (?P<src>\d+)\[(?P<srcdev>[0-9a-fA-F]+)\] -> "
     r"(?P<dst>\d+)\[(?P<dstdev>[0-9a-fA-F]+)\](?: \[(?P<dir>send|receive)\])? via (?P<via>.+?)\s*$"

@@ -47,6 +47,10 @@ GITHUB_LEVEL = {"error": "error", "warning": "warning", "info": "notice"}
 # Key → line
 # --------------------------------------------------------------------------------------------
 
+# keys deeper than this are not located (no real DeepSpeed key is; keeps hostile input linear)
+_MAX_KEY_DEPTH = 32
+
+
 def key_lines(text: str) -> dict[str, int]:
     """Dotted key path → 1-based line of its first occurrence, for JSON with ``//``/``/* */`` comments.
 
@@ -83,7 +87,7 @@ def key_lines(text: str) -> dict[str, int]:
             k = j + 1
             while k < n and text[k] in " \t\r":
                 k += 1
-            if k < n and text[k] == ":" and (not stack or stack[-1] != "[") :
+            if k < n and text[k] == ":" and (not stack or stack[-1] != "[") and len(stack) <= _MAX_KEY_DEPTH:
                 path = ".".join([p for p in stack if p not in (None, "[")] + [s])
                 out.setdefault(path, line)
                 pending = s

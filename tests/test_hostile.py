@@ -391,9 +391,7 @@ def _ds_block(block: str, key: str, value):
 
 
 
-BUG_KEY_NEWLINE = ("BUG: specs/deepspeed_config.py puts keys into messages raw: a key with an escaped newline "
-                   "('x\\n::error ...') makes the --strict error two lines (found by fuzzing); quote keys "
-                   "with json.dumps/repr in findings")
+# fixed: error messages are joined to one line whatever a key contains (commands/_common.py, cli.py)
 
 DS_CASES = [
     Case("truncated", _text(json.dumps(GOOD_DS)[:40]), ("line 1", "not valid JSON")),
@@ -438,7 +436,7 @@ DS_CASES = [
          ("fp16.scale",)),
     Case("unknown-key-optimizer", _json(_ds_block("optimizer", "param", {})), ("optimizer.param",)),
     Case("newline-in-key", _json(_ds(**{"x\n::error file=evil.py::injected": 1})), ("zero_optimization",),
-         xfail=BUG_KEY_NEWLINE),
+         ),
     Case("stage-auto", _json(_ds(stage="auto")), ("zero_optimization.stage", "auto")),
     Case("directory", _mkdir, ("directory",)),
 ]
@@ -507,10 +505,6 @@ def test_check_reports_unparseable_configs_without_traceback(tmp_path):
         assert "Traceback" not in r.output and name in r.output
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: report/formats.py key_lines joins the whole open-container stack for every key: O(depth^2) time "
-    "and memory. A 600 KB config nested 100000 deep makes 'zeroplan check' run for minutes (326 s measured) "
-    "and grow by GBs; parse-before-locate or cap the depth"))
 def test_check_deeply_nested_config_is_rejected_quickly(tmp_path):
     p = tmp_path / "deep.json"
     p.write_text(_deep_json(100_000))
@@ -554,10 +548,6 @@ def test_nccl_log(case: Case, tmp_path):
     assert_rejected(invoke(["nccl-log", str(path), "--json"]), str(path), *case.needles)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (found by fuzzing): inspect/nccl_log.py _TREE_ITEM's down group [-\\d/]+ accepts '--' and int('--') "
-    "raises ValueError (traceback, exit 1) on a garbled 'Trees' line (e.g. two ranks' writes interleaved); "
-    "skip or report the line instead"))
 def test_nccl_log_garbled_tree_line(tmp_path):
     path = tmp_path / "train.log"
     path.write_text("host:1:1 [0] NCCL INFO NCCL version 2.18.1+cuda12.1\n"

@@ -237,15 +237,20 @@ def test_table_output():
 def test_save_profile_across_nodes_stores_the_per_gpu_share(tmp_path):
     """A ring over all GPUs of several nodes measures the nodes' NICs together; the profile
     stores the per-GPU share (the planner multiplies it back by GPUs per node)."""
-    from zeroplan.bench.fit import fit_alpha_beta
+    from zeroplan.bench.collectives import CollectivesReport, save_profile_from_report
 
     base = tmp_path / "base.toml"
     base.write_text(_BASE_PROFILE)
-    prof = tmp_path / "measured.toml"
     data = _run_json("--nproc", "4", "--gpus-per-node", "2", "--group", "all", "--ops", "all_reduce",
-                     "--min-bytes", "64K", "--max-bytes", "1M", "--factor", "4", "--save-profile", str(prof),
-                     "--hardware", str(base))
+                     "--min-bytes", "64K", "--max-bytes", "1M", "--factor", "4")
+    # replace gloo's noisy times by an exact alpha-beta line: 20 us + busbw bytes / 3 GB/s
+    for r in data["results"]:
+        r["time_s"] = 20e-6 + r["size_bytes"] * r["busbw_factor"] / 3e9
+    report = CollectivesReport.model_validate(data)
+    prof = tmp_path / "measured.toml"
+    fits = save_profile_from_report(report, str(prof), str(base))
     saved = tomllib.loads(prof.read_text())
-    whole = fit_alpha_beta([(r["size_bytes"] * r["busbw_factor"], r["time_s"]) for r in data["results"]])
-    assert math.isclose(saved["inter_node"]["bandwidth_GBps_per_gpu"], whole.bandwidth_GBps / 2, rel_tol=1e-6)
+    assert math.isclose(saved["inter_node"]["bandwidth_GBps_per_gpu"], 3.0 / 2, rel_tol=1e-6)
+    assert math.isclose(saved["inter_node"]["latency_us"], 20.0, rel_tol=1e-6)
+    assert fits["inter_node"]["bandwidth_GBps"] == saved["inter_node"]["bandwidth_GBps_per_gpu"]
     assert "/ 2 GPUs per node" in saved["sources"]["inter_node.bandwidth_GBps_per_gpu"]

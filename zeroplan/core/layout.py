@@ -84,8 +84,31 @@ class Layout:
 
     @cached_property
     def grad_partition_12_max(self) -> int:
-        """Elements of the largest stage-2 gradient partition buffer over all ranks."""
-        return max(hi - lo for lo, hi in (self.grad_partition_span_12(r) for r in range(self.n)))
+        """Elements of the largest stage-2 gradient partition buffer over all ranks.
+
+        O(N log T): a rank's span runs from the start of the tensor holding its first element
+        to the end of the tensor holding its last (same result as grad_partition_span_12).
+        """
+        from bisect import bisect_right
+
+        starts, ends = [], []
+        pos = 0
+        for t in self.tensors:
+            starts.append(pos)
+            pos += t.numel
+            ends.append(pos)
+        total = pos
+        part = self.partition_12
+        best = 0
+        for r in range(self.n):
+            p_lo, p_hi = r * part, (r + 1) * part
+            lo, hi = p_lo, p_hi
+            if p_lo < total:
+                lo = min(lo, starts[bisect_right(starts, p_lo) - 1])
+                last = min(p_hi, total) - 1
+                hi = max(hi, ends[bisect_right(starts, last) - 1])
+            best = max(best, hi - lo)
+        return best
 
     # stage 3
     def padded(self, numel: int) -> int:

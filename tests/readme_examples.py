@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BLOCK = re.compile(r"(<!-- example: (?P<cmd>.+?) -->\n)```console\n.*?```\n", re.S)
+# timings vary run to run: the test checks that every line WITHOUT digits still appears
+VARIES = re.compile(r"(<!-- example-varies: (?P<cmd>.+?) -->\n)```console\n(?P<body>.*?)```\n", re.S)
 
 
 def run_example(cmd: str) -> str:
@@ -62,11 +64,21 @@ def sync(text: str) -> str:
         shown = cmd.split("| head -")[0].strip()
         return f"{m.group(1)}```console\n$ {shown}\n{run_example(cmd)}\n```\n"
 
-    return BLOCK.sub(repl, text)
+    return VARIES.sub(repl, BLOCK.sub(repl, text))
 
 
 def examples(text: str) -> list[str]:
     return [m.group("cmd").strip() for m in BLOCK.finditer(text)]
+
+
+def varying_examples(text: str) -> list[tuple[str, str]]:
+    return [(m.group("cmd").strip(), m.group("body")) for m in VARIES.finditer(text)]
+
+
+def stable_lines(body: str) -> list[str]:
+    """The excerpt's lines that contain no digit (headers, labels), without the $ line."""
+    lines = body.splitlines()[1:]
+    return [ln.strip() for ln in lines if ln.strip() and ln.strip() != "..." and not re.search(r"[0-9]", ln)]
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from readme_examples import README, examples, run_example, BLOCK
+from readme_examples import BLOCK, README, examples, run_example, stable_lines, varying_examples
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = README.read_text()
@@ -31,3 +31,12 @@ def test_readme_excerpt_is_true(cmd):
     shown = block.group(0).split("```console\n", 1)[1].rsplit("```", 1)[0]
     body = shown.split("\n", 1)[1].rstrip("\n")  # drop the "$ zeroplan ..." line
     assert body == run_example(cmd), f"README excerpt for {cmd!r} is stale: run python tests/readme_examples.py"
+
+
+@pytest.mark.parametrize("cmd,body", varying_examples(TEXT), ids=[c for c, _ in varying_examples(TEXT)])
+def test_readme_varying_excerpt_still_matches(cmd, body):
+    out = run_example(cmd.split("| head -")[0])
+    lines = stable_lines(body)
+    assert lines, "a varying excerpt must show some stable text"
+    for ln in lines:
+        assert ln in out, f"README excerpt line {ln!r} no longer appears in the output of {cmd!r}"

@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ZeroEngine", "StepResult", "ceil_div", "greedy_buckets"]
+__all__ = ["ZeroEngine", "StepResult", "ceil_div", "greedy_buckets", "grad_span"]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -122,6 +122,17 @@ def _device_of(cfg: Any) -> str:
 class StepResult(dict):
     """``{"loss": float, "model_states": {category: bytes}}`` for one optimizer step."""
 
+
+
+def grad_span(numels: list[int], p_lo: int, p_hi: int) -> tuple[int, int]:
+    """[lo, hi) of the flat buffer covered by the WHOLE params overlapping [p_lo, p_hi): the size
+    DeepSpeed gives a rank's stage-1/2 gradient partition buffer (copy_grads_in_partition)."""
+    lo, hi, off = p_lo, p_hi, 0
+    for n in numels:
+        if off < p_hi and off + n > p_lo:
+            lo, hi = min(lo, off), max(hi, off + n)
+        off += n
+    return lo, hi
 
 class ZeroEngine:
     """ZeRO stages 0-3 over ``model`` (parameters in forward order), collectives through ``comm``.
@@ -327,12 +338,7 @@ class ZeroEngine:
         return self._tag(t, "gradients", host=True)
 
     def _grad_span(self) -> tuple[int, int]:
-        p_lo, p_hi = self.part_lo, self.part_lo + self.part_n
-        lo, hi = p_lo, p_hi
-        for off, n in zip(self.offsets, self.numels):
-            if off < p_hi and off + n > p_lo:
-                lo, hi = min(lo, off), max(hi, off + n)
-        return lo, hi
+        return grad_span(self.numels, self.part_lo, self.part_lo + self.part_n)
 
     def _owned(self, lo: int, hi: int) -> tuple[int, int] | None:
         a, b = max(lo, self.part_lo), min(hi, self.part_lo + self.part_n)

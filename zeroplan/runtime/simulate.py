@@ -47,16 +47,13 @@ def heaviest_rank(spec: Any, n: int, stage: int) -> int:
         return 0
     numels = [t.numel for t in spec.tensors if t.tied_to is None]
     part = (-(-sum(numels) // (2 * n)) * 2 * n) // n
+    from zeroplan.runtime.engine import grad_span
+
     best, best_rank = -1, 0
     for r in range(n):
-        lo, hi = r * part, (r + 1) * part
-        a_lo, a_hi, off = lo, hi, 0
-        for k in numels:
-            if off < hi and off + k > lo:
-                a_lo, a_hi = min(a_lo, off), max(a_hi, off + k)
-            off += k
-        if a_hi - a_lo > best:
-            best, best_rank = a_hi - a_lo, r
+        lo, hi = grad_span(numels, r * part, (r + 1) * part)
+        if hi - lo > best:
+            best, best_rank = hi - lo, r
     return best_rank
 
 

@@ -242,7 +242,11 @@ def memory_for_stage(
         host.detail["fp32_gradient_partition"] = 4 * part
         if stage in (1, 2):
             host.detail["bit16_gradient_buffer"] = b_g * part
-            host.detail["offload_temp_grad_buffers"] = 2 * 4 * layout.largest_tensor
+            # one host temp buffer of the largest param in the 16-bit dtype (measured, DS 0.19.8)
+            host.detail["offload_temp_grad_buffer"] = b_g * layout.largest_tensor
+            if stage == 2 and training.grad_accum > 1:
+                # accumulated_grads_in_cpu: whole params overlapping the rank's partition
+                host.detail["accumulated_grads_in_cpu"] = b_g * layout.grad_partition_12_max
             gpu_grads_end = b_g * psi if stage == 1 else 0
             buffers["offload_gpu_temp_grad"] = b_g * layout.largest_tensor
         else:

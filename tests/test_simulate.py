@@ -41,7 +41,7 @@ def _nonpersistent_free_states(spec, n, stage, thr=100_000):
 
 
 def test_llama2_70b_16_layers_at_8_ranks_does_not_fit_yet_simulates():
-    from zeroplan.runtime.simulate import run_simulated_bench
+    from zeroplan.bench.validate import run_simulated_bench
 
     spec = load_model("llama-2-70b").scaled(num_layers=16)
     n = 8

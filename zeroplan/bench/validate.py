@@ -37,10 +37,13 @@ import time
 from typing import Any
 
 from zeroplan._util import InputError, atomic_write_text
+from zeroplan.runtime.results import group_records
 
 __all__ = [
     "run_bench_zero_cli",
     "run_bench_zero",
+    "run_deepspeed_bench",
+    "run_simulated_bench",
     "measure_rank",
     "predict",
     "compare",
@@ -192,16 +195,7 @@ def _inject(kind: str) -> None:
         raise RuntimeError("injected fault")
 
 
-def _group(records: list[Any]) -> dict[str, dict[str, Any]]:
-    """'op/phase' -> {count, bytes, dtypes} for one step's records."""
-    g: dict[str, dict[str, Any]] = {}
-    for r in records:
-        e = g.setdefault(f"{r.op}/{r.phase}", {"count": 0, "bytes": 0, "dtypes": []})
-        e["count"] += 1
-        e["bytes"] += r.buffer_bytes
-        if r.dtype not in e["dtypes"]:
-            e["dtypes"].append(r.dtype)
-    return g
+_group = group_records  # 'op/phase' -> {count, bytes, dtypes} for one step's records
 
 
 # ---------------------------------------------------------------------- comparison
@@ -590,8 +584,6 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
                                      micro_batch=mb, seq_len=sl, grad_accum=ga, steps=nsteps, warmup=nwarm,
                                      hardware=hw, tolerance=tol, timeout_s=timeout)
     elif simulate:
-        from zeroplan.runtime.simulate import run_simulated_bench
-
         n = _positive("--gpus", gpus if gpus is not None else nproc)
         spec = scaled_spec(full, layers=layers, hidden=hidden, vocab=None, experts=None) if (layers or hidden) else full
         report = run_simulated_bench(spec, st_list, n=n, precision=prec, ds=ds, micro_batch=mb, seq_len=sl,
@@ -616,3 +608,38 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
     else:
         _render(report)
     return 0 if report["ok"] else 1
+
+
+def run_simulated_bench(spec: Any, stages: list[int], *, n: int, precision: str, ds: Any = None,
+                        micro_batch: int = 1, seq_len: int = 128, grad_accum: int = 1,
+                        comm_model: str = "deepspeed", hardware: Any = None,
+                        tolerance: dict[str, float] | None = None) -> dict:
+    """``bench zero --simulate``: per stage, trace one rank at world size ``n`` and compare with the plan."""
+    from zeroplan.runtime.simulate import simulate_rank
+
+    tol = {"collective": 0.0, "model_state": MODEL_STATE_TOLERANCE, "phase_peak": PHASE_PEAK_TOLERANCE}
+    tol.update(tolerance or {})
+    report: dict[str, Any] = {
+        "simulated": True,
+        "model": {"name": spec.name, "params": spec.params, "layers": spec.num_layers, "hidden": spec.hidden_size,
+                  "vocab": spec.vocab_size, "model_type": spec.model_type},
+        "world_size": n, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
+        "grad_accum": grad_accum, "steps": 1, "comm_model": comm_model, "backend": "fake",
+        "tolerance": tol, "stages": [], "failures": [], "findings": [],
+    }
+    ok = True
+    for st in stages:
+        zero = _zero_config(st, ds)
+        measured = simulate_rank(spec, zero, n=n, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
+                                 grad_accum=grad_accum, comm_model=comm_model, steps=3 if st == 3 else 2)
+        plan = predict(spec, zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
+                       grad_accum=grad_accum, n=n, comm_model=comm_model, hardware=hardware)
+        rows = [r for r in compare(plan, [measured], model_state_tol=tol["model_state"], phase_tol=tol["phase_peak"],
+                                   collective_tol=tol["collective"]) if r["kind"] != "step_time"]
+        entry = {"stage": st, "rows": rows, "ok": all(r["ok"] for r in rows),
+                 "predicted_peak_bytes": plan.memory.peak, "predicted_peak_phase": plan.memory.peak_phase,
+                 "host_bytes": measured["host_bytes"]}
+        ok = ok and entry["ok"]
+        report["stages"].append(entry)
+    report["ok"] = ok
+    return report

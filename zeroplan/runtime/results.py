@@ -10,13 +10,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from zeroplan.specs.collectives import GroupKind, Op
 
-__all__ = ["CollectiveRecord", "RankFailure", "FailureKind", "summarize_records"]
+__all__ = ["CollectiveRecord", "RankFailure", "FailureKind", "summarize_records", "group_records"]
 
 FailureKind = Literal["died", "timeout", "error", "oom"]
 PhaseName = Literal["forward", "backward", "step"]
@@ -55,3 +55,15 @@ def summarize_records(records: list[CollectiveRecord]) -> dict[str, dict[str, in
         entry["count"] += 1
         entry["bytes"] += rec.buffer_bytes
     return out
+
+
+def group_records(records: list[Any]) -> dict[str, dict[str, Any]]:
+    """'op/phase' -> {count, bytes, dtypes} for one step's records."""
+    g: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        e = g.setdefault(f"{rec.op}/{rec.phase}", {"count": 0, "bytes": 0, "dtypes": []})
+        e["count"] += 1
+        e["bytes"] += rec.buffer_bytes
+        if rec.dtype not in e["dtypes"]:
+            e["dtypes"].append(rec.dtype)
+    return g

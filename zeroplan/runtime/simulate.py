@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SimulationUnavailable", "simulate_rank", "run_simulated_bench"]
+__all__ = ["SimulationUnavailable", "simulate_rank", "heaviest_rank"]
 
 
 class SimulationUnavailable(RuntimeError):
@@ -67,7 +67,7 @@ def simulate_rank(spec: Any, zero: Any, *, n: int, precision: str, micro_batch: 
     import torch
     import torch.distributed as dist
 
-    from zeroplan.bench.validate import _group
+    from zeroplan.runtime.results import group_records as _group
     from zeroplan.runtime.comm import InstrumentedComm
     from zeroplan.runtime.engine import ZeroEngine
     from zeroplan.runtime.memory import StorageTracker
@@ -108,39 +108,3 @@ def simulate_rank(spec: Any, zero: Any, *, n: int, precision: str, micro_batch: 
         if engine is not None:
             engine.close()
         dist.destroy_process_group()
-
-
-def run_simulated_bench(spec: Any, stages: list[int], *, n: int, precision: str, ds: Any = None,
-                        micro_batch: int = 1, seq_len: int = 128, grad_accum: int = 1,
-                        comm_model: str = "deepspeed", hardware: Any = None,
-                        tolerance: dict[str, float] | None = None) -> dict:
-    """``bench zero --simulate``: per stage, trace one rank at world size ``n`` and compare with the plan."""
-    from zeroplan.bench.validate import (MODEL_STATE_TOLERANCE, PHASE_PEAK_TOLERANCE, _zero_config, compare,
-                                         predict)
-
-    tol = {"collective": 0.0, "model_state": MODEL_STATE_TOLERANCE, "phase_peak": PHASE_PEAK_TOLERANCE}
-    tol.update(tolerance or {})
-    report: dict[str, Any] = {
-        "simulated": True,
-        "model": {"name": spec.name, "params": spec.params, "layers": spec.num_layers, "hidden": spec.hidden_size,
-                  "vocab": spec.vocab_size, "model_type": spec.model_type},
-        "world_size": n, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
-        "grad_accum": grad_accum, "steps": 1, "comm_model": comm_model, "backend": "fake",
-        "tolerance": tol, "stages": [], "failures": [], "findings": [],
-    }
-    ok = True
-    for st in stages:
-        zero = _zero_config(st, ds)
-        measured = simulate_rank(spec, zero, n=n, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                                 grad_accum=grad_accum, comm_model=comm_model, steps=3 if st == 3 else 2)
-        plan = predict(spec, zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                       grad_accum=grad_accum, n=n, comm_model=comm_model, hardware=hardware)
-        rows = [r for r in compare(plan, [measured], model_state_tol=tol["model_state"], phase_tol=tol["phase_peak"],
-                                   collective_tol=tol["collective"]) if r["kind"] != "step_time"]
-        entry = {"stage": st, "rows": rows, "ok": all(r["ok"] for r in rows),
-                 "predicted_peak_bytes": plan.memory.peak, "predicted_peak_phase": plan.memory.peak_phase,
-                 "host_bytes": measured["host_bytes"]}
-        ok = ok and entry["ok"]
-        report["stages"].append(entry)
-    report["ok"] = ok
-    return report

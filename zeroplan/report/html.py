@@ -16,7 +16,7 @@ import math
 from html import escape
 from typing import Any, Callable, Sequence
 
-from zeroplan._util import GB
+from zeroplan._util import GB, fmt_gb
 from zeroplan.report.charts import MEMORY_CATEGORIES, TIME_PARTS
 
 __all__ = [
@@ -39,7 +39,7 @@ def _e(s: Any) -> str:
 
 
 def _gb(n: float | None, digits: int = 2) -> str:
-    return "—" if n is None else f"{n / GB:,.{digits}f} GB"
+    return "—" if n is None else fmt_gb(n, digits)
 
 
 def _sec(t: float | None) -> str:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroplan._util import GB, GiB
+from zeroplan._util import GiB, fmt_gb, fmt_gib
 
 __all__ = ["render_estimate", "gb", "gb_gib", "render_findings", "seconds"]
 
 
 def gb(n: float | None) -> str:
-    return "—" if n is None else f"{n / GB:,.2f} GB"
+    return "—" if n is None else fmt_gb(n)
 
 
 def gb_gib(n: float | None) -> str:
-    return "—" if n is None else f"{n / GB:,.2f} GB ({n / GiB:,.2f} GiB)"
+    return "—" if n is None else f"{fmt_gb(n)} ({fmt_gib(n)})"
 
 
 def seconds(t: float | None) -> str:

@@ -45,8 +45,8 @@ from zeroplan.specs.model import catalog_names, load_model
 from zeroplan.specs.training import OPTIMIZERS, PRECISIONS, TrainingSetup
 
 runner = CliRunner()
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SLOW = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 # Ring factors, nccl-tests doc/PERFORMANCE.md: bytes one rank sends per byte of the full buffer.
 RING = {
@@ -221,7 +221,12 @@ def test_stage3_above_stage2_with_persistence_is_bounded(m, training, n, thresho
     spec = m.spec
     ms2 = states(spec, training, zero(2), n).memory.model_states
     ms3 = states(spec, training, zero(3, persistence=threshold), n).memory.model_states
-    persistent = [t.numel for t in spec.tensors if t.tied_to is None and t.numel <= threshold]
+    # the planner's inventory: for a bare count the default shape is reconciled with the stated
+    # count (core/layout.py), so which tensors fall under the threshold is read from the layout
+    from zeroplan.core.layout import build_layout
+
+    tensors = build_layout(spec, n).tensors
+    persistent = [t.numel for t in tensors if t.numel <= threshold]
     bound = training.precision.param_bytes * sum(-(-x // n) * n for x in persistent)
     assert ms3 <= ms2 + bound
 

@@ -166,7 +166,7 @@ def test_nothing_fits_says_how_many_nodes():
 def test_sweep_matches_evaluate():
     """The sweep composes per-axis evaluations; every alternative must equal evaluate() exactly."""
     from zeroplan.advice.recommend import candidate_zero, recommend
-    from zeroplan.commands._inputs import build_plan_inputs, zero_for_stage
+    from zeroplan.core.inputs import build_plan_inputs, zero_for_stage
     from zeroplan.core.plan import evaluate
 
     for model, hw, nodes in (("llama-2-7b", "h100-8x-100gbe", 2), ("gpt2", "dgx-a100-80gb", 1)):

@@ -148,7 +148,7 @@ def test_memory_bars_are_proportional_to_bytes(report):
 
 
 def test_tables_equal_evaluate_for_the_same_inputs(report):
-    from zeroplan.commands._inputs import build_plan_inputs
+    from zeroplan.core.inputs import build_plan_inputs
     from zeroplan.core.plan import evaluate
 
     inp = build_plan_inputs(model="llama-2-7b", hardware="dgx-a100-80gb", nodes=2, precision="bf16")

@@ -27,7 +27,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from zeroplan.advice import recommend as R
-    from zeroplan.commands._inputs import build_plan_inputs
+    from zeroplan.core.inputs import build_plan_inputs
 
     sweeps: list = []
     orig = R._Sweep.__init__

@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan._util import InputError, read_text_file
+from zeroplan.core.inputs import build_plan_inputs, zero_for_stage
 from zeroplan.core.plan import ClusterSummary, evaluate
 from zeroplan.core.timing import collective_time_s
 from zeroplan.report.formats import find_key_line, key_lines
@@ -203,7 +204,6 @@ def check_config(
     fail_on: str = "error",
 ) -> ConfigCheck:
     """Check one DeepSpeed config file (see the module docstring for the rules)."""
-    from zeroplan.commands._inputs import build_plan_inputs, zero_for_stage
     from zeroplan.advice.recommend import is_ethernet
 
     findings: list[LocatedFinding] = []
@@ -361,7 +361,6 @@ def check_config(
 
 def run_check(patterns: list[str], *, fail_on: str = "error", **opts: Any) -> CheckReport:
     """Check every config matched by ``patterns``. ``opts``: check_config's keyword arguments."""
-    from zeroplan.commands._inputs import build_plan_inputs
     from zeroplan.specs.deepspeed_config import RULES as DS_RULES
 
     if fail_on not in ("error", "warning", "info"):

@@ -58,6 +58,7 @@ from zeroplan.core.activations import activation_memory
 from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
 from zeroplan.core.layout import Layout, build_layout
 from zeroplan.core.memory import memory_for_stage
+from zeroplan.core.inputs import PlanInputs, zero_for_stage
 from zeroplan.core.plan import ClusterSummary, ModelSummary, Plan, evaluate, model_summary, training_summary
 from zeroplan.core.timing import estimate_time
 from zeroplan.report.render import gb, seconds
@@ -531,7 +532,7 @@ def recommend(
     top: int = 8,
     progress: Callable[[int, int], None] | None = None,
 ) -> Recommendation:
-    """Search, rank and explain (see module docstring). ``inputs`` is a commands._inputs.PlanInputs.
+    """Search, rank and explain (see module docstring). ``inputs`` is a core.inputs.PlanInputs.
 
     ``micro_batch`` fixes the micro-batch (else 1, 2, 4, … up to the largest that fits, at most
     ``max_micro_batch``, default 1024); ``checkpointing`` fixes the policy (else all three);
@@ -560,7 +561,6 @@ def recommend(
         if s not in (0, 1, 2, 3):
             raise InputError(f"--stage {s} is not a ZeRO stage; expected 0, 1, 2 or 3")
 
-    from zeroplan.commands._inputs import zero_for_stage
 
     # The search decides offload itself: start from the base config without the user's offload override.
     inp = inputs

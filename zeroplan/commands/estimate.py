@@ -36,7 +36,7 @@ STRICT_OPT = typer.Option(False, "--strict", help="Treat DeepSpeed config proble
 def run_estimate(**kw):
     """Library entry: returns an EstimateResult."""
     from zeroplan._util import InputError
-    from zeroplan.commands._inputs import build_plan_inputs
+    from zeroplan.core.inputs import build_plan_inputs
     from zeroplan.core.plan import ClusterSummary, EstimateResult, evaluate, model_summary, training_summary
 
     comm_model = kw.pop("comm_model", "deepspeed")

@@ -50,7 +50,7 @@ def run_nccl_log(
             raise InputError(f"--{given[0].replace('_', '-')} needs --model to compare the log with a plan")
         return out
 
-    from zeroplan.commands._inputs import build_plan_inputs
+    from zeroplan.core.inputs import build_plan_inputs
     from zeroplan.core.plan import evaluate
 
     if comm_model not in ("deepspeed", "paper"):

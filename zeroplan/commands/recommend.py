@@ -35,7 +35,7 @@ def run_recommend(*, headroom: float = 0.10, comm_model: str = "deepspeed", mfu:
                   progress: Any = None, **kw: Any):
     """Library entry: build the inputs from CLI-style keywords and return (Recommendation, PlanInputs)."""
     from zeroplan.advice.recommend import recommend
-    from zeroplan.commands._inputs import build_plan_inputs
+    from zeroplan.core.inputs import build_plan_inputs
 
     inp = build_plan_inputs(**kw)
     rec = recommend(inp, headroom=headroom, comm_model=comm_model, mfu=mfu, max_micro_batch=max_micro_batch,

@@ -1,6 +1,7 @@
 """Turn the common planning options into library inputs (model, hardware, training, ZeRO configs).
 
-Shared by estimate, recommend, check, report and nccl-log. Every user mistake raises
+Library code below advice (it was commands/_inputs.py): shared by estimate, recommend, check,
+report and nccl-log. Every user mistake raises
 InputError naming the option or file, the value and what was expected.
 """
 
@@ -10,6 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroplan._util import InputError
+from zeroplan.specs.deepspeed_config import (
+    DSConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    ZeroConfig,
+    load_ds_config,
+)
+from zeroplan.specs.hardware import HardwareProfile, load_profile
+from zeroplan.specs.model import ModelSpec, load_model
 from zeroplan.specs.training import TrainingSetup, get_optimizer, get_precision
 
 __all__ = ["PlanInputs", "build_plan_inputs", "zero_for_stage", "OFFLOAD_DEVICES"]
@@ -19,25 +29,24 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 @dataclass
 class PlanInputs:
-    spec: Any  # ModelSpec
-    hardware: Any  # HardwareProfile | None
+    spec: ModelSpec
+    hardware: HardwareProfile | None
     training: TrainingSetup
     n_gpus: int
     gpus_per_node: int
     nodes: int
-    ds: Any = None  # DSConfig | None
+    ds: DSConfig | None = None
     stages: list[int] = field(default_factory=list)
     offload_optimizer: str | None = None
     offload_param: str | None = None
     assumptions: list[str] = field(default_factory=list)
 
-    def zero(self, stage: int):
+    def zero(self, stage: int) -> ZeroConfig:
         return zero_for_stage(self, stage)
 
 
-def zero_for_stage(inp: PlanInputs, stage: int):
+def zero_for_stage(inp: PlanInputs, stage: int) -> ZeroConfig:
     """The ZeroConfig for ``stage``: the DeepSpeed config's if given, else DeepSpeed's defaults."""
-    from zeroplan.specs.deepspeed_config import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
     if inp.ds is not None:
         base = inp.ds.zero
@@ -85,8 +94,6 @@ def build_plan_inputs(
     offload_param: str | None = None,
     stage: int | None = None,
 ) -> PlanInputs:
-    from zeroplan.specs.model import load_model
-
     for name, v in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
                     ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
         _check_positive(name, v)
@@ -101,8 +108,6 @@ def build_plan_inputs(
     spec = load_model(model)
     hw = None
     if hardware is not None:
-        from zeroplan.specs.hardware import load_profile
-
         hw = load_profile(hardware)
     assumptions: list[str] = []
 
@@ -134,8 +139,6 @@ def build_plan_inputs(
     # ---- DeepSpeed config ----
     ds = None
     if ds_config is not None:
-        from zeroplan.specs.deepspeed_config import load_ds_config
-
         ds = load_ds_config(ds_config, strict=strict, hidden_size=spec.hidden_size, micro_batch=micro_batch,
                             grad_accum=grad_accum, world_size=n_gpus)
 

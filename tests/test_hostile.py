@@ -197,14 +197,14 @@ def test_model_config_unreadable(tmp_path, monkeypatch):
     path.write_text(json.dumps(TINYLLAMA))
     path.chmod(0)
     if os.geteuid() == 0:  # root reads anything: make the read itself fail the way EACCES does
-        real = Path.read_bytes
+        real = os.open
 
-        def denied(self):
-            if self == path:
-                raise PermissionError(13, "Permission denied", str(self))
-            return real(self)
+        def denied(name, *a, **k):
+            if os.fspath(name) == str(path):
+                raise PermissionError(13, "Permission denied", str(name))
+            return real(name, *a, **k)
 
-        monkeypatch.setattr(Path, "read_bytes", denied)
+        monkeypatch.setattr(os, "open", denied)
     try:
         assert_rejected(invoke(["estimate", "--model", str(path), "--gpus", "8", "--json"]), str(path),
                         "Permission denied")

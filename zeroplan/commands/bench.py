@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import typer
 
-from zeroplan._util import InputError
+from zeroplan._util import InputError, validate_output_path
 from zeroplan.commands._common import console, err_console, fail, handle_errors, print_json
 
 __all__ = ["register", "bench_app"]
@@ -103,6 +103,8 @@ def collectives(
         straggler_threshold=straggler_threshold,
     )
     validate_config(cfg)
+    validate_output_path(save_profile, option="--save-profile", inputs={"--hardware": hardware})
+    validate_output_path(output, option="--output", inputs={"--hardware": hardware, "--save-profile": save_profile})
     if save_profile is not None and hardware is None:
         raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the non-link fields")
     if timeout <= 0:
@@ -181,6 +183,8 @@ def zero(
         from zeroplan.bench.validate import run_bench_zero_cli
     except ImportError as exc:
         raise InputError(f"bench zero is not available in this build ({exc})") from None
+    validate_output_path(output, option="--output", inputs={"--model": model, "--ds-config": ds_config,
+                                                            "--hardware": hardware})
     options = dict(model=model, stage=stage, ds_config=ds_config, hardware=hardware, precision=precision,
                    optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                    steps=steps, warmup=warmup, layers=layers, hidden=hidden, nproc=nproc, simulate=simulate,

@@ -76,6 +76,7 @@ def register(app: typer.Typer) -> None:
         comm_model: str = COMM_OPT,
         mfu: float = MFU_OPT,
         output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report to this file (atomically); stdout gets a one-line verdict."),
+        expand_globs: bool = typer.Option(False, "--glob", help="Expand each CONFIG as a glob ('configs/**/*.json'); without it paths are literal."),
     ) -> None:
         """Gate DeepSpeed configs in CI: OOM, host RAM, NVMe, communication and stage/offload rules.
 
@@ -83,8 +84,11 @@ def register(app: typer.Typer) -> None:
         profile, a glob matching nothing). Example:
         zeroplan check 'configs/*.json' -m llama-2-70b -H h100-8x-ib400 --nodes 4 --format github
         """
-        from zeroplan._util import InputError, atomic_write_text
-        from zeroplan.advice.check import run_check
+        from zeroplan._util import InputError, atomic_write_text, validate_output_path
+        from zeroplan.advice.check import expand_config_paths, run_check
+
+        validate_output_path(output, option="--output", inputs={"the checked config": expand_config_paths(
+            configs, expand_globs=expand_globs), "--hardware": hardware, "--model": model})
         from zeroplan.report.formats import summary_line, to_github, to_json, to_junit
 
         if fmt not in FORMATS:
@@ -95,7 +99,7 @@ def register(app: typer.Typer) -> None:
             configs, fail_on=fail_on, model=model, hardware=hardware, gpus=gpus, nodes=nodes,
             gpus_per_node=gpus_per_node, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
             checkpointing=checkpointing, flash_attention=flash_attention, comm_model=comm_model, mfu=mfu,
-            max_comm_share=max_comm_share, min_headroom=min_headroom,
+            max_comm_share=max_comm_share, min_headroom=min_headroom, expand_globs=expand_globs,
         )
         if fmt == "text":
             if output is not None:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import typer
 
-from zeroplan._util import InputError, fmt_bytes, read_text_file
+from zeroplan._util import LOG_MAX_BYTES, InputError, fmt_bytes, read_text_file
 from zeroplan.commands._common import console, handle_errors, print_json
 
 __all__ = ["register", "run_nccl_log"]
@@ -36,7 +36,7 @@ def run_nccl_log(
     """
     from zeroplan.inspect.nccl_log import compare_with_ledger, parse_nccl_log
 
-    text = read_text_file(file, "NCCL log")
+    text = read_text_file(file, "NCCL log", max_bytes=LOG_MAX_BYTES)
     summary = parse_nccl_log(text)
     if summary.lines_nccl == 0 and not summary.issues and summary.nccl_version is None:
         raise InputError(f"{file}: no NCCL log lines found (expected lines such as "

@@ -148,8 +148,10 @@ def register(app: typer.Typer) -> None:
         highest useful throughput, preferring the lower stage within 5% and no offload unless it is
         twice as fast. Example: zeroplan recommend -m llama-2-70b -H h100-8x-ib400 --nodes 4 -p bf16
         """
-        from zeroplan._util import InputError
+        from zeroplan._util import InputError, validate_output_path
 
+        validate_output_path(emit_config, option="--emit-config",
+                             inputs={"--ds-config": ds_config, "--hardware": hardware, "--model": model})
         if hardware is None:
             raise InputError("recommend needs --hardware (a profile name from `zeroplan profiles list` or a TOML path)")
         if top < 1:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from zeroplan._util import InputError
+from zeroplan._util import InputError, validate_output_path
 from zeroplan.commands._common import console, handle_errors, print_json
 from zeroplan.commands.estimate import (
     CKPT_OPT, COMM_OPT, DS_OPT, FLASH_OPT, GAS_OPT, GPN_OPT, GPUS_OPT, HARDWARE_OPT, JSON_OPT, MB_OPT, MFU_OPT,
@@ -170,17 +170,6 @@ def _sweep_evaluations(inp: Any, max_nodes: int) -> int:
     return len(keys) * len(SWEEP_STAGES)
 
 
-def _check_target(path: str | None, option: str) -> None:
-    if path is None:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise InputError(f"{option} {path}: is a directory, expected a file path to write")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"{option} {path}: directory {parent} does not exist")
-
-
 def _print_sweep_table(con: Any, data: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -238,8 +227,9 @@ def register(app: typer.Typer) -> None:
 
         Example: zeroplan report --model llama-2-70b --hardware dgx-h100 --nodes 4 --precision bf16 --html r.html
         """
-        _check_target(html, "--html")
-        _check_target(svg, "--svg")
+        ins = {"--model": model, "--hardware": hardware, "--ds-config": ds_config}
+        validate_output_path(html, option="--html", inputs=ins)
+        validate_output_path(svg, option="--svg", inputs={**ins, "--html": html})
         if not 1 <= max_nodes <= MAX_SWEEP_NODES:
             raise InputError(f"--max-nodes {max_nodes} must be between 1 and {MAX_SWEEP_NODES}")
         options = dict(

@@ -304,12 +304,18 @@ def read_text_file(path: str | os.PathLike, what: str = "file", max_bytes: int =
 
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.I)
+# Unambiguous (digits, then an optional fraction): linear, where "[0-9]*\.?[0-9]+" backtracked
+# cubically on a long run of digits followed by a bad character (20,000 digits ran for minutes).
+_COUNT_RE = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.I)
+_COUNT_MAX_CHARS = 64
 
 
 def parse_count(text: str, what: str = "count") -> int:
     """Parse '7B', '70e9', '1.3T', '125M', '6738415616' into an int (decimal suffixes)."""
-    m = _COUNT_RE.match(str(text))
+    text = str(text)
+    if len(text) > _COUNT_MAX_CHARS:
+        raise InputError(f"{what} {text[:20]!r}… ({len(text)} characters) is not a number such as 7B, 70e9 or 1.3T")
+    m = _COUNT_RE.match(text)
     if not m:
         raise InputError(f"{what} {text!r} is not a number such as 7B, 70e9, 1.3T or 125M")
     value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
@@ -317,6 +323,8 @@ def parse_count(text: str, what: str = "count") -> int:
         raise InputError(f"{what} {text!r} must be a positive finite number")
     if value > 1e16:
         raise InputError(f"{what} {text!r} is beyond 1e16; no model that size can be planned")
+    if value < 1:  # 0.4 or 5e-324 would round to a zero-parameter model
+        raise InputError(f"{what} {text!r} is under 1; expected a count such as 7B, 70e9 or 125M")
     return int(round(value))
 
 

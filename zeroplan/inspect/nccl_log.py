@@ -93,6 +93,11 @@ NCCL_OPS: dict[str, str] = {
 }
 
 _MAX_ISSUES = 50
+_MAX_TEXT_CHARS = 500  # a message, "via" or support line quoted in the summary: output stays bounded
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_TEXT_CHARS else text[: _MAX_TEXT_CHARS - 1] + "…"
 
 
 # --------------------------------------------------------------------------- models
@@ -216,16 +221,21 @@ class NcclLogSummary(BaseModel):
 
 # --------------------------------------------------------------------------- regexes
 
+# Every pattern below sees user text and must run in time linear in the line (issue 17 §6):
+# no unanchored run that can start at every character of another run, no nested or adjacent
+# quantifiers over overlapping classes. _HEADER's host starts only where a host-character run
+# starts (the lookbehind), so a 10 MB run of letters is scanned once, not once per position.
 _HEADER = re.compile(
-    r"(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL (?P<level>INFO|WARN|TRACE|ABORT)\b ?"
+    r"(?<![A-Za-z0-9_.\-])(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
+    r"NCCL (?P<level>INFO|WARN|TRACE|ABORT)\b ?"
 )
 _VERSION = re.compile(r"NCCL version (?P<v>\d+\.\d+\.\d+)(?:\+cuda(?P<cuda>[\d.]+))?")
 _CUDA_DRIVER = re.compile(r"^cudaDriverVersion (?P<v>\d+)")
 _INIT = re.compile(
     r"comm (?P<ptr>0x[0-9a-fA-F]+|\(nil\)) rank (?P<rank>\d+) nranks (?P<nranks>\d+) cudaDev (?P<cudadev>\d+)"
     r"(?: nvmlDev \d+)?(?: busId (?P<bus>[0-9a-fA-F]+))?(?: commId (?P<commid>0x[0-9a-fA-F]+))?"
-    r".*- Init (?P<phase>START|COMPLETE)"
 )
+_INIT_PHASE = re.compile(r"- Init (?P<phase>START|COMPLETE)")  # searched after an _INIT match (no ".*")
 _COMM_NODES = re.compile(
     r"comm (?P<ptr>0x[0-9a-fA-F]+) rank (?P<rank>\d+) nRanks (?P<nranks>\d+) nNodes (?P<nnodes>\d+)"
     r" localRanks (?P<lranks>\d+) localRank (?P<lrank>\d+)"
@@ -236,7 +246,7 @@ _TREES = re.compile(r"^Trees(?P<body>(?: \[\d+\] [-\d/]+->-?\d+->-?\d+)+)")
 _TREE_ITEM = re.compile(r"\[(?P<ch>\d+)\] (?P<down>-?\d+(?:/-?\d+)*)->(?P<rank>-?\d+)->(?P<up>-?\d+)")
 _CONN = re.compile(
     r"^Channel (?P<ch>\d+)(?:/(?P<conn>\d+))? : (?P<src>\d+)\[(?P<srcdev>[0-9a-fA-F]+)\] -> "
-    r"(?P<dst>\d+)\[(?P<dstdev>[0-9a-fA-F]+)\](?: \[(?P<dir>send|receive)\])? via (?P<via>.+?)\s*$"
+    r"(?P<dst>\d+)\[(?P<dstdev>[0-9a-fA-F]+)\](?: \[(?P<dir>send|receive)\])? via (?P<via>.*\S)\s*$"
 )
 _CHANNELS = re.compile(
     r"^(?P<coll>\d+) coll channels, (?:(?P<collnet>\d+) collnet channels, )?(?:(?P<nvls>\d+) nvls channels, )?"
@@ -252,7 +262,7 @@ _COLL = re.compile(
     r"comm (?P<comm>\S+) \[nranks=(?P<nranks>\d+)\]"
 )
 _TIMEOUT = re.compile(
-    r"Watchdog caught collective operation timeout: WorkNCCL\((?P<body>[^)]*\([^)]*\)[^)]*|[^)]*)\)"
+    r"Watchdog caught collective operation timeout: WorkNCCL\((?P<body>[^()]*(?:\([^()]*\)[^()]*)?)\)"
     r"(?: ran for (?P<ran>\d+) milliseconds)?"
 )
 _ERROR = re.compile(
@@ -353,6 +363,7 @@ class _State:
 
     def add_issue(self, kind: str, message: str, line_no: int, host: str | None, **extra: Any) -> None:
         self.issue_count += 1
+        message = _clip(message)
         key = (kind, message)
         if key in self.issues:
             self.issues[key].occurrences += 1
@@ -413,7 +424,7 @@ def _handle_record(st: _State, hdr: tuple[str, int, int, int, str], msg: str, li
 
     m = _CONN.match(msg)
     if m:
-        via = m.group("via")
+        via = _clip(m.group("via"))
         kind = _transport_kind(via)
         st.transports[kind][via] += 1
         if "GDRDMA" in via:
@@ -440,7 +451,8 @@ def _handle_record(st: _State, hdr: tuple[str, int, int, int, str], msg: str, li
         return
 
     m = _INIT.search(msg)
-    if m:
+    phase = _INIT_PHASE.search(msg, m.end()) if m else None
+    if m and phase:
         ptr = m.group("ptr")
         key = m.group("commid") or st.comm_key_for_ptr(host, pid, ptr)
         st.ptr_to_comm[(host, pid, ptr)] = key
@@ -450,7 +462,7 @@ def _handle_record(st: _State, hdr: tuple[str, int, int, int, str], msg: str, li
         c["nranks"] = nranks
         c["ranks"].add(rank)
         c["hosts"].add(host)
-        if m.group("phase") == "COMPLETE":
+        if phase.group("phase") == "COMPLETE":
             c["complete"].add(rank)
         bus = m.group("bus")
         dkey = (host, int(m.group("cudadev")), rank, key)
@@ -534,6 +546,7 @@ def _ctx_key(st: _State, host: str, pid: int, tid: int, dev: int) -> str:
 
 
 def _support_line(st: _State, text: str) -> None:
+    text = _clip(text)
     if text not in st.support_lines and len(st.support_lines) < _MAX_ISSUES:
         st.support_lines.append(text)
 

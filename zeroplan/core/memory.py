@@ -229,7 +229,8 @@ def memory_for_stage(
     # hpZ secondary partition (ZeRO++): +b_p·Ψ/k per GPU
     hpz = int(_get(zero, "zero_hpz_partition_size", 1) or 1)
     if stage == 3 and hpz > 1:
-        buffers["hpz_secondary_partition"] = b_p * (layout.padded_total_3 // hpz)
+        # the group is min(hpz, world) ranks (DeepSpeed 0.19.8 utils/groups.py::_create_zero_param_parallel_group)
+        buffers["hpz_secondary_partition"] = b_p * (layout.padded_total_3 // min(hpz, n_gpus))
 
     # ---- offload: states move to host RAM (per rank), or NVMe ----
     gpu_params = params

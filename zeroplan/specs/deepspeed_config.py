@@ -1210,6 +1210,7 @@ def load_ds_config(source: str | Path | dict, *, strict: bool = False,
     clipping = _read_clipping(r, raw)
     comm = _read_comm_dtype(r, raw)
     tb, mb, gas = _read_batch(r, raw, micro_batch, grad_accum, world_size)
+    _check_hpz(r, zero, world_size)
     r.raise_if_strict()
     return DSConfig(
         path=path, raw=raw, zero=zero, precision=prec, precision_source=prec_source,
@@ -1217,6 +1218,28 @@ def load_ds_config(source: str | Path | dict, *, strict: bool = False,
         train_batch_size=tb, micro_batch=mb, grad_accum=gas, communication_data_type=comm,
         auto_resolved=r.auto, findings=r.findings,
     )
+
+
+def hpz_group_size(partition_size: int, world_size: int) -> int:
+    """Ranks in one hpZ secondary-partition group: min(zero_hpz_partition_size, world size).
+
+    DeepSpeed 0.19.8 ``utils/groups.py::_create_zero_param_parallel_group`` builds groups of
+    ``min(group_size, world_size)`` consecutive ranks and asserts (``_ensure_divisibility``) that
+    the world size is divisible by it; ``runtime/zero/stage3.py`` only does so when the size is > 1.
+    """
+    return min(max(int(partition_size), 1), int(world_size))
+
+
+def _check_hpz(r: "_Reader", zero: "ZeroConfig", world_size: int | None) -> None:
+    hpz = int(zero.zero_hpz_partition_size or 1)
+    if world_size is None or zero.stage != 3 or hpz <= 1:
+        return
+    group = hpz_group_size(hpz, world_size)
+    if world_size % group:
+        r.add("DS010", "error", "zero_optimization.zero_hpz_partition_size",
+              f"zero_optimization.zero_hpz_partition_size = {hpz}: the world size {world_size} is not divisible "
+              f"by min({hpz}, {world_size}) = {group}; DeepSpeed 0.19.8 asserts it "
+              "(utils/groups.py::_create_zero_param_parallel_group → _ensure_divisibility)", hpz)
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from zeroplan.specs.training import TrainingSetup, get_optimizer, get_precision
 __all__ = ["PlanInputs", "build_plan_inputs", "zero_for_stage", "OFFLOAD_DEVICES"]
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+MAX_GPUS = 2**17  # 131,072 data-parallel GPUs: beyond any ZeRO job; keeps a plan well under a second
 
 
 @dataclass
@@ -133,6 +134,9 @@ def build_plan_inputs(
         n_gpus = gpn or 8
         gpn = gpn or 8
         assumptions.append(f"no --gpus/--nodes given: one node of {n_gpus} GPUs")
+    if n_gpus > MAX_GPUS:
+        raise InputError(f"{n_gpus:,} GPUs: zeroplan plans clusters of up to {MAX_GPUS:,} data-parallel GPUs "
+                         "(the stage-1/2 bucket ledger is linear in the GPU count)")
     gpn = min(gpn, n_gpus)
     n_nodes = -(-n_gpus // gpn)
 

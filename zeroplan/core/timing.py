@@ -30,6 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from zeroplan._util import InputError
 from zeroplan.core.comm import CommLedger, LedgerEntry
 from zeroplan.specs.collectives import busbw_factor
 from zeroplan.specs.training import TrainingSetup
@@ -96,10 +97,14 @@ class TimeEstimate(BaseModel):
 def _peak_flops(hw: Any, training: TrainingSetup) -> float:
     flops = hw.gpu.peak_flops
     want = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[training.precision.name]
-    for k in (want, "tf32" if want == "fp32" else want, "bf16"):
+    # Same-width fallbacks only (bf16 and fp16 run at one tensor-core rate on NVIDIA GPUs; fp32
+    # matmuls run as tf32 under PyTorch's default allow_tf32 for cuDNN). Never the fp8/int8 figure.
+    fallback = {"bf16": ("bf16", "fp16"), "fp16": ("fp16", "bf16"), "fp32": ("fp32", "tf32")}[want]
+    for k in fallback:
         if k in flops and flops[k] > 0:
             return float(flops[k])
-    return float(max(flops.values()))
+    raise InputError(f"hardware profile {getattr(hw, 'name', '?')}: gpu.peak_flops has no {' or '.join(fallback)} "
+                     f"figure for {want} training (has {', '.join(sorted(flops)) or 'none'})")
 
 
 def estimate_time(
@@ -138,6 +143,9 @@ def estimate_time(
         offload += ledger.cpu_optimizer_params_per_gpu / CPU_ADAM_PARAMS_PER_S
     nvme = ledger.nvme_bytes_per_gpu_per_step + sum(p.bytes_per_step for p in ledger.pcie if p.source == "nvme")
     if nvme:
+        if not hw.node.nvme_bandwidth_GBps > 0:
+            raise InputError(f"hardware profile {getattr(hw, 'name', '?')}: node.nvme_bandwidth_GBps = "
+                             f"{hw.node.nvme_bandwidth_GBps} (no NVMe) but the plan offloads to NVMe")
         nvme_bw = hw.node.nvme_bandwidth_GBps * 1e9 / max(1, min(gpus_per_node, n_gpus))
         offload += nvme / nvme_bw
     best += pcie + offload

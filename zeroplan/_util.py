@@ -14,6 +14,7 @@ import errno
 import math
 import os
 import re
+import signal
 import stat
 import tempfile
 from pathlib import Path
@@ -56,7 +57,8 @@ class InputError(Exception):
 
 _NAME_MAX_BYTES = 255  # NAME_MAX on Linux/macOS file systems
 _TMP_RANDOM_BYTES = 8 + len(".tmp")  # mkstemp's random part + our suffix
-_LIVE_TEMPS: set[str] = set()  # temp files being written now: removed on SIGINT/SIGTERM/exit
+_LIVE_TEMPS: set[str] = set()
+_CLEANUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # temp files being written now: removed on SIGINT/SIGTERM/exit
 
 
 def display_path(path: str | os.PathLike) -> str:
@@ -191,11 +193,17 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         _write_in_place(target, st, data, shown)
         return Path(path)
     name = os.fsencode(target.name)[: _NAME_MAX_BYTES - _TMP_RANDOM_BYTES - 2]
+    # SIGINT/SIGTERM are held while the temp file is created and registered, so a signal can
+    # never land between the two and leave an untracked temp file behind.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _CLEANUP_SIGNALS) if hasattr(signal, "pthread_sigmask") else None
     try:
         fd, tmp = tempfile.mkstemp(prefix=os.fsdecode(b"." + name + b"."), suffix=".tmp", dir=target.parent)
+        _LIVE_TEMPS.add(tmp)
     except OSError as exc:
         raise InputError(f"{shown}: cannot write here: {exc.strerror or exc}") from None
-    _LIVE_TEMPS.add(tmp)
+    finally:
+        if held is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
     try:
         if st is not None:
             mode = stat.S_IMODE(st.st_mode)

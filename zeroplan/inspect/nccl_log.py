@@ -93,6 +93,9 @@ NCCL_OPS: dict[str, str] = {
 }
 
 _MAX_ISSUES = 50
+# NCCL formats one record into a 1 KB buffer (src/debug.cc); interleaved ranks make longer physical
+# lines, but not 64K characters: a longer line is reported as skipped, never searched.
+_MAX_LINE_CHARS = 65_536
 _MAX_TEXT_CHARS = 500  # a message, "via" or support line quoted in the summary: output stays bounded
 
 
@@ -179,7 +182,7 @@ class NcclOpTotal(BaseModel):
 
 
 class NcclIssue(BaseModel):
-    kind: str  # "warn" (NCCL WARN), "timeout" (watchdog), "error" (NCCL error message)
+    kind: str  # "warn" (NCCL WARN), "timeout" (watchdog), "error" (NCCL error message), "skipped" (over-long line)
     message: str
     line: int  # first line (1-based) where it appears
     occurrences: int = 1
@@ -570,6 +573,11 @@ def parse_nccl_log(text: str) -> NcclLogSummary:
     st = _State()
     lines = text.splitlines()
     for line_no, line in enumerate(lines, start=1):
+        if len(line) > _MAX_LINE_CHARS:  # not an NCCL record: skip it (the regexes stay linear anyway)
+            st.lines_ignored += 1
+            st.add_issue("skipped", f"a line of {len(line):,} characters (over {_MAX_LINE_CHARS:,}) was skipped",
+                         line_no, None)
+            continue
         head, headers = _segments(line)
         if not headers:
             if not line.strip():

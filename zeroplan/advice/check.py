@@ -377,14 +377,14 @@ def run_check(patterns: list[str], *, fail_on: str = "error", expand_globs: bool
         raise InputError(f"--fail-on {fail_on!r} is unknown; expected error or warning")
     mcs = opts.get("max_comm_share", 0.5)
     if not (0 < mcs <= 1):
-        raise InputError(f"--max-comm-share {mcs} must be in (0, 1]")
+        raise InputError(f"--max-comm-share {mcs} must be in [0.001, 1]")
     mh = opts.get("min_headroom", 0.10)
     if not (0 <= mh < 1):
         raise InputError(f"--min-headroom {mh} must be in [0, 1)")
     if opts.get("comm_model", "deepspeed") not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {opts['comm_model']!r} is unknown; expected deepspeed or paper")
-    if not (0 < opts.get("mfu", 0.4) <= 1):
-        raise InputError(f"--mfu {opts['mfu']} must be in (0, 1]")
+    if not (1e-3 <= opts.get("mfu", 0.4) <= 1):  # 5e-324 would make compute time infinite
+        raise InputError(f"--mfu {opts['mfu']} must be in [0.001, 1]")
     if not opts.get("hardware"):
         raise InputError("check needs --hardware (a profile name from `zeroplan profiles list` or a TOML path): "
                          "its rules compare memory and links with the hardware")

@@ -548,8 +548,8 @@ def recommend(
         raise InputError(f"--headroom {headroom} must be in [0, 1): the fraction of GPU memory and host RAM kept free")
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
-    if not (0 < mfu <= 1):
-        raise InputError(f"--mfu {mfu} must be in (0, 1]")
+    if not (1e-3 <= mfu <= 1):  # 5e-324 would make compute time infinite
+        raise InputError(f"--mfu {mfu} must be in [0.001, 1]")
     if max_micro_batch is not None and max_micro_batch < 1:
         raise InputError(f"--max-micro-batch {max_micro_batch} must be a positive integer")
     if micro_batch is not None and micro_batch < 1:

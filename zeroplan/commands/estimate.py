@@ -43,8 +43,8 @@ def run_estimate(**kw):
     mfu = kw.pop("mfu", 0.4)
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
-    if not (0 < mfu <= 1):
-        raise InputError(f"--mfu {mfu} must be in (0, 1]")
+    if not (1e-3 <= mfu <= 1):  # 5e-324 would make compute time infinite
+        raise InputError(f"--mfu {mfu} must be in [0.001, 1]")
     inp = build_plan_inputs(**kw)
     plans = [
         evaluate(model=inp.spec, training=inp.training, zero=inp.zero(s), n_gpus=inp.n_gpus,

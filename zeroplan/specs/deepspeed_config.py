@@ -461,7 +461,29 @@ def parse_ds_json(text: str, where: str = "<config>") -> tuple[dict[str, Any], b
         raise InputError(
             f"{where}: top level is a JSON {type(data).__name__}, expected an object "
             "such as {\"zero_optimization\": {...}}")
+    _check_number_range(data, where)
     return data, not _strict_json(text)
+
+
+_INT64_MAX = 2**63 - 1  # DeepSpeed hands counts to torch, which holds them as int64
+
+
+def _check_number_range(data: Any, where: str) -> None:
+    """Every number in the file: an integer within int64, a finite float (iterative walk)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        key, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((f"{key}[{i}]", x) for i, x in enumerate(v))
+        elif isinstance(v, bool):
+            continue
+        elif isinstance(v, int) and abs(v) > _INT64_MAX:
+            raise InputError(f"{where}: {key} = an integer of {len(str(abs(v)))} digits: beyond int64 "
+                             f"(|value| <= {_INT64_MAX})")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise InputError(f"{where}: {key} = {v}: expected a finite number")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1085,6 +1107,28 @@ def _read_top_level(r: _Reader, raw: dict[str, Any]) -> None:
             r.unknown(k, TOP_LEVEL_KEYS, "warning", "DeepSpeed ignores it")
 
 
+def _check_optimizer_numbers(r: _Reader, params: dict[str, Any]) -> None:
+    """lr, eps, weight_decay and betas: finite numbers in the ranges torch.optim.Adam/AdamW's
+    ``__init__`` (PyTorch 2.13) accepts; DeepSpeed passes them through unchanged. An infinite lr
+    passes torch's ``0.0 <= lr`` but is no plan anyone means: refused too."""
+    def bad(key: str, v: Any, want: str) -> None:
+        r.add("DS010", "error", f"optimizer.params.{key}", f"optimizer.params.{key} = {_fmt(v)}: expected {want}", v)
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for key in ("lr", "eps", "weight_decay"):
+        v = params.get(key)
+        if v is None or _is_auto(v):
+            continue
+        if not number(v) or v < 0:
+            bad(key, v, "a finite number >= 0 (torch.optim raises 'Invalid ...' otherwise)")
+    betas = params.get("betas")
+    if betas is not None and not _is_auto(betas):
+        if not isinstance(betas, list) or len(betas) != 2 or not all(number(b) and 0 <= b < 1 for b in betas):
+            bad("betas", betas, "two finite numbers in [0, 1) (torch.optim raises 'Invalid beta parameter')")
+
+
 def _read_optimizer(r: _Reader, raw: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     opt = raw.get("optimizer")
     if opt is None:
@@ -1118,6 +1162,7 @@ def _read_optimizer(r: _Reader, raw: dict[str, Any]) -> tuple[str | None, dict[s
         r.add("DS006", "info", "optimizer.params",
               f"optimizer.params {', '.join(autos)} = \"auto\": filled by the HF Trainer from its "
               "training arguments; they do not change memory or communication", None)
+    _check_optimizer_numbers(r, params)
     mgn = params.get("max_grad_norm")
     if isinstance(mgn, (int, float)) and not isinstance(mgn, bool) and mgn > 0:
         r.add("DS010", "warning", "optimizer.params.max_grad_norm",

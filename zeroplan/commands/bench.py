@@ -25,6 +25,21 @@ bench_app = typer.Typer(
 )
 
 
+BENCH_EXTRA_HINT = "pip install 'zeroplan[bench]'"
+
+
+def require_torch(command: str) -> None:
+    """One line and exit 2 when torch cannot be imported (the bench commands need it).
+
+    Checked before anything imports torch, so a missing extra is never a traceback.
+    """
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:  # ModuleNotFoundError, or a broken install
+        raise InputError(f"{command} needs PyTorch, which is not importable here ({exc}); "
+                         f"install the extra: {BENCH_EXTRA_HINT}") from None
+
+
 def _fmt_size(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size and n % size == 0:
@@ -85,7 +100,12 @@ def collectives(
     output: Optional[str] = typer.Option(None, "--output", help="Also write the JSON report to this file (atomic)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
 ) -> None:
-    """nccl-tests style sweep: time, algbw, busbw per op and size, per-rank spread, stragglers."""
+    """nccl-tests style sweep: time, algbw, busbw per op and size, per-rank spread, stragglers.
+
+    With --hardware, every row also shows the time and bus bandwidth the planner predicts for
+    that op and size on that profile (core/timing.collective_time_s).
+    """
+    require_torch("bench collectives")
     from zeroplan.bench.collectives import (
         BenchConfig,
         parse_size,
@@ -176,7 +196,14 @@ def zero(
     engine: str = typer.Option("zeroplan", "--engine", help="zeroplan (the bundled runtime) or deepspeed (DeepSpeed's "
                                "real engine with --ds-config; needs zeroplan[deepspeed])."),
 ) -> None:
-    """Run real ZeRO steps per stage and compare predicted vs measured memory and collectives."""
+    """Run real ZeRO steps per stage and compare predicted vs measured memory and collectives.
+
+    Defaults: the --model is scaled to 2 layers of hidden 64 and vocabulary 512 (a llama-2-7b
+    becomes ~172k parameters), micro-batch 2, sequence 32, grad-accum 1, 2 warm-up + 2 measured
+    steps. Bucket sizes the DeepSpeed config does not set are scaled by the same factor as the
+    model (--keep-buckets uses DeepSpeed's absolute defaults). The header prints every input.
+    """
+    require_torch("bench zero")
     try:
         from zeroplan.bench.validate import run_bench_zero_cli
     except ImportError as exc:

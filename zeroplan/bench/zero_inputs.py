@@ -72,8 +72,8 @@ def step_time_row(predicted_s: float | None, measured_s: float | None, *, device
         row["note"] = "not measured"
         return row
     if device != "cuda":
-        row["note"] = (f"not comparable: predicted for the GPUs of {hardware_name or 'the profile'} "
-                       f"({gpu_name or 'GPU'}) at the full model's size, measured on {device} with a scaled model")
+        row["note"] = (f"not comparable: predicted for this model on the GPUs of {hardware_name or 'the profile'} "
+                       f"({gpu_name or 'GPU'}), measured on {device}; pass --hardware for a CUDA run to compare")
         return row
     row["comparable"] = True
     row["error"] = (measured_s - predicted_s) / predicted_s if predicted_s else None

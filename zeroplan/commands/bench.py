@@ -176,13 +176,24 @@ def zero(
     hardware: Optional[str] = typer.Option(None, "--hardware", help="Profile name or TOML path (predicted step time)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16 or fp16."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer preset (the engine runs adamw)."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch"),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len"),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Measured optimizer steps per stage."),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Unmeasured optimizer steps first."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model to this many layers."),
-    hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the model to this hidden size."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch",
+                                              help="Sequences per rank per micro-step (default: the config's, else 2)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default 32)."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum",
+                                             help="Micro-steps per optimizer step (default: the config's, else 1)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Measured optimizer steps per stage (default 2)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup",
+                                         help="Unmeasured optimizer steps first (default 2; stage 3 at least 2)."),
+    layers: Optional[int] = typer.Option(None, "--layers",
+                                         help="Scale the model to this many layers (default 2; with --simulate: keep)."),
+    hidden: Optional[int] = typer.Option(None, "--hidden",
+                                         help="Scale the model to this hidden size (default 64, vocabulary 512; "
+                                              "with --simulate: keep)."),
+    checkpointing: str = typer.Option("none", "--checkpointing",
+                                      help="Activation checkpointing in the run and the prediction: none or full."),
+    keep_buckets: bool = typer.Option(False, "--keep-buckets",
+                                      help="Keep DeepSpeed's absolute bucket defaults (default: scale the buckets the "
+                                           "config does not set by the model's scale factor)."),
     nproc: int = typer.Option(2, "--nproc", help="Local ranks (ignored under torchrun)."),
     simulate: bool = typer.Option(False, "--simulate", help="Trace one rank at --gpus ranks without real peers."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="World size to simulate with --simulate."),
@@ -212,7 +223,8 @@ def zero(
                    optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                    steps=steps, warmup=warmup, layers=layers, hidden=hidden, nproc=nproc, simulate=simulate,
                    gpus=gpus, backend=backend, comm_model=comm_model, memory_limit=memory_limit,
-                   tolerance=tolerance, timeout=timeout, output=output, json_out=json_out, engine=engine)
+                   tolerance=tolerance, timeout=timeout, output=output, json_out=json_out, engine=engine,
+                   checkpointing=checkpointing, keep_buckets=keep_buckets)
     code = run_bench_zero_cli(**options)
     if code:
         raise typer.Exit(int(code))

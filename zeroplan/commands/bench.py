@@ -55,20 +55,30 @@ def _render_table(report: Any) -> None:
     t = Table(title=(f"bench collectives — {report.backend}, world {report.world_size} "
                      f"({report.nodes} node(s) × {report.gpus_per_node}), group {report.group}, {report.dtype}, "
                      f"{report.iters} iters"), title_justify="left")
-    for col in ("op", "size", "n", "time µs", "algbw GB/s", "busbw GB/s", "ranks min–med–max µs", "slow"):
+    predicted = report.hardware is not None
+    cols = ["op", "size", "n", "time µs", "algbw GB/s", "busbw GB/s"]
+    if predicted:
+        cols += [f"pred µs ({report.hardware})", "pred busbw GB/s"]
+    for col in cols + ["ranks min–med–max µs", "slow"]:
         t.add_column(col, justify="left" if col in ("op", "slow") else "right", no_wrap=True)
     for r in report.results:
-        t.add_row(r.op, _fmt_size(r.size_bytes), str(r.group_size), f"{r.time_s * 1e6:,.1f}",
-                  f"{r.algbw_GBps:.3f}", f"{r.busbw_GBps:.3f}",
-                  f"{r.min_s * 1e6:,.0f}–{r.median_s * 1e6:,.0f}–{r.max_s * 1e6:,.0f}",
+        row = [r.op, _fmt_size(r.size_bytes), str(r.group_size), f"{r.time_s * 1e6:,.1f}",
+               f"{r.algbw_GBps:.3f}", f"{r.busbw_GBps:.3f}"]
+        if predicted:
+            row += ["-" if r.predicted_time_s is None else f"{r.predicted_time_s * 1e6:,.1f}",
+                    "-" if r.predicted_busbw_GBps is None else f"{r.predicted_busbw_GBps:.3f}"]
+        t.add_row(*row, f"{r.min_s * 1e6:,.0f}–{r.median_s * 1e6:,.0f}–{r.max_s * 1e6:,.0f}",
                   ",".join(map(str, r.stragglers)) or "-")
     out = console()
     if not out.is_terminal:
         from rich.console import Console
 
-        out = Console(highlight=False, soft_wrap=False, width=max(out.width, 110))
+        out = Console(highlight=False, soft_wrap=False, width=max(out.width, 160 if predicted else 110))
     out.print(t)
     out.print("GB/s = 1e9 bytes/s; size = full buffer (nccl-tests convention); time = slowest rank's mean per call.")
+    if predicted:
+        out.print(f"pred = the planner's α–β time (core/timing.collective_time_s) for the same op, size and layout "
+                  f"on --hardware {report.hardware}.")
     if report.stragglers:
         ranks = sorted({s["rank"] for s in report.stragglers})
         out.print(f"[yellow]stragglers (> {report.straggler_threshold:g} × median):[/] ranks "
@@ -96,7 +106,9 @@ def collectives(
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before hung ranks are killed."),
     save_profile: Optional[str] = typer.Option(None, "--save-profile",
                                                help="Write a calibrated hardware-profile TOML (alpha-beta fit)."),
-    hardware: Optional[str] = typer.Option(None, "--hardware", help="Base profile for --save-profile's other fields."),
+    hardware: Optional[str] = typer.Option(None, "--hardware",
+                                           help="Profile to predict each row on (pred columns), and the base of "
+                                                "--save-profile's other fields."),
     output: Optional[str] = typer.Option(None, "--output", help="Also write the JSON report to this file (atomic)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
 ) -> None:
@@ -108,6 +120,7 @@ def collectives(
     require_torch("bench collectives")
     from zeroplan.bench.collectives import (
         BenchConfig,
+        add_predictions,
         parse_size,
         run_collectives,
         save_profile_from_report,
@@ -127,10 +140,11 @@ def collectives(
         raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the non-link fields")
     if timeout <= 0:
         raise InputError(f"--timeout {timeout}: expected seconds > 0")
-    if save_profile is not None:
+    hw_profile = None
+    if hardware is not None:
         from zeroplan.specs.hardware import load_profile
 
-        load_profile(hardware)  # fail on a bad base before running anything
+        hw_profile = load_profile(hardware)  # fail on a bad profile before running anything
     show_progress = not json_out and sys.stdout.isatty() and not under_torchrun()
     try:
         if show_progress:
@@ -152,9 +166,14 @@ def collectives(
         return
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return
+    if hw_profile is not None:
+        add_predictions(report, hw_profile)
     if save_profile is not None:
         report.fit = save_profile_from_report(report, save_profile, hardware)
         report.profile = save_profile
+        for tier, f in report.fit.items():
+            if f.get("warning"):
+                err_console().print(f"[yellow]warning:[/] {f['warning']}", markup=True)
     if output is not None:
         write_report_json(report, output)
     if json_out:
@@ -163,8 +182,8 @@ def collectives(
         _render_table(report)
         if save_profile is not None:
             for tier, f in report.fit.items():
-                console().print(f"{tier}: latency {f['latency_us']:.1f} µs, bandwidth {f['bandwidth_GBps']:.3f} GB/s "
-                                f"(R² {f['r2']:.3f}) → {save_profile}")
+                console().print(f"{tier} ({f['link_name']}): latency {f['latency_us']:.1f} µs, bandwidth "
+                                f"{f['bandwidth_GBps']:.3f} GB/s (R² {f['r2']:.3f}) → {save_profile}")
 
 
 @bench_app.command("zero")

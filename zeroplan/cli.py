@@ -33,6 +33,7 @@ _COMMAND_MODULES = (
     "recommend",
     "check",
     "bench",
+    "validate",
     "profiles",
     "models",
     "detect",

@@ -229,7 +229,7 @@ def zero(
     """Run real ZeRO steps per stage and compare predicted vs measured memory and collectives.
 
     Defaults: the --model is scaled to 2 layers of hidden 64 and vocabulary 512 (a llama-2-7b
-    becomes ~172k parameters), micro-batch 2, sequence 32, grad-accum 1, 2 warm-up + 2 measured
+    becomes 164,672 parameters), micro-batch 2, sequence 32, grad-accum 1, 2 warm-up + 2 measured
     steps. Bucket sizes the DeepSpeed config does not set are scaled by the same factor as the
     model (--keep-buckets uses DeepSpeed's absolute defaults). The header prints every input.
     """

@@ -319,6 +319,12 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
     tol = {"collective": 0.0, "model_state": MODEL_STATE_TOLERANCE, "phase_peak": PHASE_PEAK_TOLERANCE}
     tol.update(tolerance or {})
     device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda" and not under_torchrun():
+        import torch
+
+        if nproc > torch.cuda.device_count():  # rank % device_count would put two ranks on one GPU
+            raise InputError(f"--nproc {nproc}: NCCL needs one GPU per rank, this machine has "
+                             f"{torch.cuda.device_count()}")
     runs = []
     buckets: dict[str, dict[str, int]] = {}
     for st in stages:

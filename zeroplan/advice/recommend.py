@@ -769,46 +769,7 @@ def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int |
             label=c.label(), mb=_N(c.micro_batch), ckpt=c.checkpointing, rbs=_E(c.reduce_bucket_size),
             pf=_E(c.prefetch_bucket_size or 0), hpz=_N(c.hpz_partition_size), peak=_B(c.peak_bytes),
             free=_B(c.headroom_bytes), cap=_B(c.gpu_memory_bytes), tps=_T(c.tokens_per_s), n=_N(rec.cluster.n_gpus)))
-    # why the lower stages (or no-offload) do not fit
-    upto = c.stage if c is not None else 4
-    for s in sorted(by_stage):
-        ss = by_stage[s]
-        if s > upto:
-            continue
-        ln = ss.leanest
-        if not ss.fits_without_offload and (s < upto or c is None or c.offload):
-            if ln.limit == "host":
-                ex.append(reason("ZeRO-{s} without offload does not fit: host RAM per node {host} exceeds {usable} usable.",
-                                 s=_N(s), host=_B(ln.host_per_node_bytes), usable=_B(rec.usable_host_bytes_per_node)))
-            else:
-                ex.append(reason(
-                    "ZeRO-{s} does not fit without offload: even at its leanest (micro-batch {mb}, checkpointing "
-                    "{ckpt}, reduce_bucket_size {rbs}, no offload) it needs {peak} per GPU, {over} over the {gpu}; "
-                    "the largest part is {dom}.", s=_N(s), mb=_N(ln.micro_batch), ckpt=ln.checkpointing,
-                    rbs=_E(ln.reduce_bucket_size), peak=_B(ln.peak_bytes), over=_B(ln.peak_bytes - rec.usable_gpu_bytes),
-                    gpu=gpu, dom=ss.leanest_dominant))
-            if ss.fits and ss.best is not None and (c is None or s < upto):
-                b = ss.best
-                ex.append(reason("  With offload ({off}) ZeRO-{s} fits (peak {peak}, host RAM {host} per node) but "
-                                 "reaches {tps}.", off=b.offload_label(), s=_N(s), peak=_B(b.peak_bytes),
-                                 host=_B(b.host_per_node_bytes), tps=_T(b.tokens_per_s)))
-        elif s < upto and ss.best is not None and c is not None:
-            b = ss.best
-            ex.append(reason(
-                "ZeRO-{s} fits (best: {label}, micro-batch {mb}, {tps}) but is "
-                + ("slower" if b.tokens_per_s < c.tokens_per_s else "not faster") + " than the choice by {gap}"
-                + (" (within the {noise} noise band the lower stage would have been preferred)."
-                   if b.tokens_per_s >= (1 - NOISE) * c.tokens_per_s else "."),
-                s=_N(s), label=b.label(), mb=_N(b.micro_batch), tps=_T(b.tokens_per_s),
-                gap=_F(abs(1 - b.tokens_per_s / c.tokens_per_s)), noise=_F(NOISE)))
-    for s in sorted(by_stage):
-        ss = by_stage[s]
-        if c is not None and s > c.stage and ss.best is not None and ss.best.tokens_per_s > c.tokens_per_s:
-            b = ss.best
-            ex.append(reason("ZeRO-{s} ({label}, micro-batch {mb}) would reach {tps}, {more} more: within the {noise} "
-                             "noise of the model, so the lower stage is preferred (less communication, fewer moving "
-                             "parts).", s=_N(s), label=b.label(), mb=_N(b.micro_batch), tps=_T(b.tokens_per_s),
-                             more=_F(b.tokens_per_s / c.tokens_per_s - 1, 1), noise=_F(NOISE)))
+    _explain_stages(rec, ex, gpu)
     if c is not None and c.offload:
         non = [a for a in rec.alternatives if not a.offload]
         if not non:
@@ -860,6 +821,51 @@ def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int |
         _explain_nothing_fits(rec, inp, hw, micro_batch_fixed=micro_batch_fixed, ckpts=ckpts, lean_zero=lean_zero)
     rec.explanation = [r.text() for r in rec.explanation_reasons]
     rec.warnings = [r.text() for r in rec.warning_reasons]
+
+
+def _explain_stages(rec: Recommendation, ex: list[Reason], gpu: str) -> None:
+    """Why the lower stages (or no offload) were not chosen, and higher stages within the noise."""
+    c = rec.chosen
+    by_stage = {s.stage: s for s in rec.stages}
+    upto = c.stage if c is not None else 4
+    for s in sorted(by_stage):
+        ss = by_stage[s]
+        if s > upto:
+            continue
+        ln = ss.leanest
+        if not ss.fits_without_offload and (s < upto or c is None or c.offload):
+            if ln.limit == "host":
+                ex.append(reason("ZeRO-{s} without offload does not fit: host RAM per node {host} exceeds {usable} usable.",
+                                 s=_N(s), host=_B(ln.host_per_node_bytes), usable=_B(rec.usable_host_bytes_per_node)))
+            else:
+                ex.append(reason(
+                    "ZeRO-{s} does not fit without offload: even at its leanest (micro-batch {mb}, checkpointing "
+                    "{ckpt}, reduce_bucket_size {rbs}, no offload) it needs {peak} per GPU, {over} over the {gpu}; "
+                    "the largest part is {dom}.", s=_N(s), mb=_N(ln.micro_batch), ckpt=ln.checkpointing,
+                    rbs=_E(ln.reduce_bucket_size), peak=_B(ln.peak_bytes), over=_B(ln.peak_bytes - rec.usable_gpu_bytes),
+                    gpu=gpu, dom=ss.leanest_dominant))
+            if ss.fits and ss.best is not None and (c is None or s < upto):
+                b = ss.best
+                ex.append(reason("  With offload ({off}) ZeRO-{s} fits (peak {peak}, host RAM {host} per node) but "
+                                 "reaches {tps}.", off=b.offload_label(), s=_N(s), peak=_B(b.peak_bytes),
+                                 host=_B(b.host_per_node_bytes), tps=_T(b.tokens_per_s)))
+        elif s < upto and ss.best is not None and c is not None:
+            b = ss.best
+            ex.append(reason(
+                "ZeRO-{s} fits (best: {label}, micro-batch {mb}, {tps}) but is "
+                + ("slower" if b.tokens_per_s < c.tokens_per_s else "not faster") + " than the choice by {gap}"
+                + (" (within the {noise} noise band the lower stage would have been preferred)."
+                   if b.tokens_per_s >= (1 - NOISE) * c.tokens_per_s else "."),
+                s=_N(s), label=b.label(), mb=_N(b.micro_batch), tps=_T(b.tokens_per_s),
+                gap=_F(abs(1 - b.tokens_per_s / c.tokens_per_s)), noise=_F(NOISE)))
+    for s in sorted(by_stage):
+        ss = by_stage[s]
+        if c is not None and s > c.stage and ss.best is not None and ss.best.tokens_per_s > c.tokens_per_s:
+            b = ss.best
+            ex.append(reason("ZeRO-{s} ({label}, micro-batch {mb}) would reach {tps}, {more} more: within the {noise} "
+                             "noise of the model, so the lower stage is preferred (less communication, fewer moving "
+                             "parts).", s=_N(s), label=b.label(), mb=_N(b.micro_batch), tps=_T(b.tokens_per_s),
+                             more=_F(b.tokens_per_s / c.tokens_per_s - 1, 1), noise=_F(NOISE)))
 
 
 def _explain_nothing_fits(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int | None,

@@ -553,7 +553,7 @@ def _inputs_section(data: dict[str, Any]) -> str:
         ("batch", f"micro-batch {t['micro_batch']} × {t['seq_len']:,} tokens, gradient accumulation {t['grad_accum']}"),
         ("activations", f"checkpointing {t['checkpointing']}, flash attention {'on' if t['flash_attention'] else 'off'}"),
         ("comm model", data["comm_model"]),
-        ("MFU assumed", f"{data['mfu']:g}"),
+        ("MFU", f"{data['mfu']:g} (--mfu)" if data.get("mfu") is not None else "compute model (core/compute.py)"),
         ("sweep", f"memory: 1 … {data['memory_sweep']['gpus'][-1]:,} GPUs; time: 1 … {data['max_nodes']:,} nodes"),
     ]
     for k, v in data.get("inputs", {}).items():

@@ -162,7 +162,7 @@ class Recommendation(BaseModel):
     cluster: ClusterSummary
     training: dict[str, Any]
     comm_model: str
-    mfu: float
+    mfu: float | None  # None: the compute model (core/compute.py)
     headroom: float
     usable_gpu_bytes: int
     usable_host_bytes_per_node: int
@@ -341,7 +341,7 @@ class _Family:
 
 
 class _Sweep:
-    def __init__(self, inp: Any, *, comm_model: str, mfu: float, base_zeros: dict[int, Any]):
+    def __init__(self, inp: Any, *, comm_model: str, mfu: float | None, base_zeros: dict[int, Any]):
         self.inp = inp
         self.hw = inp.hardware
         self.spec = inp.spec
@@ -434,7 +434,7 @@ class _Sweep:
 
     def time(self, ledger: Any, mb: int, ckpt: str) -> Any:
         return estimate_time(ledger, self.training(mb, ckpt), self.hw, active_params=self.spec.active_params,
-                             n_gpus=self.n, gpus_per_node=self.gpn, mfu=self.mfu)
+                             n_gpus=self.n, gpus_per_node=self.gpn, mfu=self.mfu, model=self.spec)
 
 
 def _pow2_up_to(cap: int) -> list[int]:
@@ -520,7 +520,7 @@ def recommend(
     *,
     headroom: float = 0.10,
     comm_model: str = "deepspeed",
-    mfu: float = 0.4,
+    mfu: float | None = None,
     max_micro_batch: int | None = None,
     micro_batch: int | None = None,
     checkpointing: str | None = None,
@@ -545,7 +545,7 @@ def recommend(
         raise InputError(f"--headroom {headroom} must be in [0, 1): the fraction of GPU memory and host RAM kept free")
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
-    if not (0 < mfu <= 1):
+    if mfu is not None and not (0 < mfu <= 1):
         raise InputError(f"--mfu {mfu} must be in (0, 1]")
     if max_micro_batch is not None and max_micro_batch < 1:
         raise InputError(f"--max-micro-batch {max_micro_batch} must be a positive integer")
@@ -785,13 +785,20 @@ def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int |
         where = ("{inter} of it across nodes over {link}" if rec.cluster.nodes > 1 else "inside one node over {link}")
         ex.append(reason(
             "Communication on {hw}: ZeRO-{s} sends {sent} per GPU per optimizer step (" + where + "); {comm} of "
-            "collectives, {best}–{worst} exposed, {share} of the {step} step (compute {compute}"
-            + (", offload PCIe {pcie}" if t.pcie_time_s else "") + ").",
+            "collectives ({algos}), {exposed} exposed after overlap (bracket {best}–{worst}; {hidden} hidden behind "
+            "compute, which slows it by {slowdown}), {share} of the {step} step. Compute {compute} at MFU {mfu} "
+            "({terms})"
+            + ("; offload: PCIe copies {pcie}" if t.pcie_time_s else "")
+            + (", CPU optimizer step {cpu_opt}" if t.cpu_optimizer_time_s else "")
+            + (", NVMe swap {nvme}" if t.nvme_time_s else "") + ".",
             hw=hw.name, s=_N(c.stage), sent=_B(p.comm.bytes_per_gpu_per_step),
             inter=_B(p.comm.inter_node_bytes_per_gpu_per_step),
             link=hw.inter_node.name if rec.cluster.nodes > 1 else hw.intra_node.name, comm=_S(t.comm_time_s),
-            best=_S(t.exposed_time_s["best"]), worst=_S(t.exposed_time_s["worst"]), share=_F(t.comm_share),
-            step=_S(t.step_time_s), compute=_S(t.compute_time_s), pcie=_S(t.pcie_time_s or 0.0)))
+            algos=_algos(t), exposed=_S(t.exposed_time_s["estimate"]), best=_S(t.exposed_time_s["best"]),
+            worst=_S(t.exposed_time_s["worst"]), hidden=_S(t.hidden_comm_s), slowdown=_S(t.overlap_slowdown_s),
+            share=_F(t.comm_share), step=_S(t.step_time_s), compute=_S(t.compute_time_s), mfu=_F(t.mfu),
+            terms=_compute_terms(t), pcie=_S(t.pcie_time_s or 0.0), cpu_opt=_S(t.cpu_optimizer_time_s or 0.0),
+            nvme=_S(t.nvme_time_s or 0.0)))
         if c.stage == 3 and rec.cluster.nodes > 1 and is_ethernet(hw.inter_node):
             warn.append(reason(
                 "ZeRO-3 across {nodes} nodes over Ethernet ({link}, {bw} per GPU): parameter all-gathers in forward "
@@ -896,3 +903,16 @@ def _explain_nothing_fits(rec: Recommendation, inp: Any, hw: Any, *, micro_batch
                              "{after} per GPU (" + ("fits" if a.fits else "still over") + ").",
                              mb=_N(micro_batch_fixed), s=_N(s), after=_B(a.after_peak_bytes)))
     ex.append(reason("  Offload (CPU/NVMe) was searched too; see the host-RAM and NVMe limits above, or add nodes."))
+
+
+def _algos(t: Any) -> str:
+    """NCCL algorithm/protocol the model picks for the largest call of each collective."""
+    return ", ".join(f"{op} {a}" for op, a in sorted(t.algorithms.items())) or "none"
+
+
+def _compute_terms(t: Any) -> str:
+    c = t.compute
+    if c is None or c.gemm_fraction is None:
+        return t.mfu_source
+    return (f"{c.generation}: matmuls at {c.gemm_fraction:.2f} of peak × shape {c.shape_factor:.2f}, attention "
+            f"{c.attention_share:.0%} of the FLOPs at {c.attention_fraction:.2f}")

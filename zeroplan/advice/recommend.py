@@ -811,7 +811,9 @@ def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int |
             rem = comm_remedies(ctx)
             rec.suggestions.extend(a for a, _ in rem)
             head = reason("Communication-bound: exposed communication is {share} of the step.", share=_F(t.comm_share))
-            warn.append(_joined([head, _joined([r for _, r in rem], "; ")], " "))
+            tail = _joined([r for _, r in rem], "; ")
+            tail = tail.model_copy(update={"template": tail.template[:1].upper() + tail.template[1:] + "."})
+            warn.append(_joined([head, tail], " "))
     # ZeRO-3 communication-bound where it is the only option
     s3 = by_stage.get(3)
     if c is not None and c.stage < 3 and s3 is not None and s3.best is not None and s3.best.comm_share is not None \

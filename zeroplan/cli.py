@@ -76,7 +76,7 @@ class _ZeroplanGroup(TyperGroup):
         except InputError as exc:
             _error_line(str(exc))
             rv = 2
-        except _cx.Abort:
+        except typer.Abort:
             _error_line("interrupted")
             rv = 130
         if not standalone_mode:

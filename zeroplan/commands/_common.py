@@ -29,7 +29,7 @@ __all__ = [
 F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_HEADROOM = 0.10
-DEFAULT_MFU = 0.4
+DEFAULT_MFU: float | None = None  # None: the compute model (rate by GPU generation and shape)
 DEFAULT_COMM_MODEL = "deepspeed"
 
 # ------------------------------------------------------------------------------ shared options
@@ -92,8 +92,9 @@ Headroom = Annotated[float, typer.Option(
 CommModel = Annotated[str, typer.Option(
     "--comm-model", metavar="deepspeed|paper",
     help="deepspeed: the collectives DeepSpeed actually issues; paper: the ZeRO paper's 2Ψ/2Ψ/3Ψ.")]
-Mfu = Annotated[float, typer.Option(
-    "--mfu", metavar="FRACTION", help="Model FLOPs utilisation assumed for compute time (0–1].")]
+Mfu = Annotated[Optional[float], typer.Option(
+    "--mfu", metavar="FRACTION", show_default="the compute model (FLOPs from the architecture at a rate by GPU "
+    "generation and shape)", help="Override the compute model with a fixed model FLOPs utilisation (0–1].")]
 Strict = Annotated[bool, typer.Option(
     "--strict/--no-strict",
     help="Also refuse config warnings DeepSpeed tolerates (unknown top-level keys, coerced types).")]

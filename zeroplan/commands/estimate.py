@@ -26,7 +26,7 @@ def run_estimate(*, lenient: bool = False, **kw):
     mfu = kw.pop("mfu", DEFAULT_MFU)
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
-    if not (0 < mfu <= 1):
+    if mfu is not None and not (0 < mfu <= 1):
         raise InputError(f"--mfu {mfu} must be in (0, 1]")
     inp = build_plan_inputs(**kw)
     if not lenient:

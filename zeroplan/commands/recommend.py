@@ -18,7 +18,7 @@ __all__ = ["register", "run_recommend", "render_recommendation"]
 
 
 def run_recommend(*, headroom: float = DEFAULT_HEADROOM, comm_model: str = DEFAULT_COMM_MODEL,
-                  mfu: float = DEFAULT_MFU, max_micro_batch: Optional[int] = None, checkpointing: Optional[str] = None,
+                  mfu: float | None = DEFAULT_MFU, max_micro_batch: Optional[int] = None, checkpointing: Optional[str] = None,
                   stages: Optional[list[int]] = None, allow_nvme: bool = True, top: int = 8,
                   progress: Any = None, lenient: bool = False, **kw: Any):
     """Library entry: build the inputs from CLI-style keywords and return (Recommendation, PlanInputs).

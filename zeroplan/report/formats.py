@@ -16,8 +16,8 @@ not be read) — plus ``report.fail_on`` and ``report.rule_descriptions``.
   message ``%`` → ``%25``, ``\\r`` → ``%0D``, ``\\n`` → ``%0A``; in property values also ``:`` →
   ``%3A`` and ``,`` → ``%2C``.
 
-``key_lines(text)`` maps each dotted key of a JSON(-with-comments) file to the line it is on, so
-annotations point at the offending key.
+``key_lines`` / ``find_key_line`` (specs/config_lines.py, re-exported here) map each dotted key of
+a JSON(-with-comments) file to the line it is on, so annotations point at the offending key.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import json
 from typing import Any
 from xml.etree import ElementTree as ET
 
+from zeroplan.specs.config_lines import find_key_line, key_lines  # re-exported
 from zeroplan.specs.findings import SEVERITY_ORDER
 from zeroplan.specs.json_lines import find_key_line, key_lines  # re-exported: their home is specs
 

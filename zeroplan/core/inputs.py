@@ -22,7 +22,7 @@ from zeroplan.specs.deepspeed_config import (
     ZeroConfig,
     load_ds_config,
 )
-from zeroplan.specs.json_lines import find_key_line, key_lines
+from zeroplan.specs.config_lines import find_key_line, key_lines
 from zeroplan.specs.hardware import HardwareProfile, load_profile
 from zeroplan.specs.model import ModelSpec, load_model
 from zeroplan.specs.training import TrainingSetup, get_optimizer, get_precision

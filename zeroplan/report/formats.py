@@ -28,7 +28,6 @@ from xml.etree import ElementTree as ET
 
 from zeroplan.specs.config_lines import find_key_line, key_lines  # re-exported
 from zeroplan.specs.findings import SEVERITY_ORDER
-from zeroplan.specs.json_lines import find_key_line, key_lines  # re-exported: their home is specs
 
 __all__ = [
     "key_lines",

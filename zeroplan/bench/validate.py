@@ -518,7 +518,8 @@ def _render(report: dict) -> None:
     con = Console(highlight=False)
     con = Console(highlight=False, width=max(con.width, 120))  # the table needs ~110 columns
     for k, line in enumerate(header_lines(report)):
-        con.print(("[bold]bench zero[/]: " if k == 0 else "  ") + line.replace("[", "\\["), markup=True)
+        con.print(("[bold]bench zero[/]: " if k == 0 else "  ") + line.replace("[", "\\["), markup=True,
+                  soft_wrap=True)
     for f in report["failures"]:
         con.print(f"[red]rank {f['rank']} {f['kind']}:[/] {f['message']}", markup=True)
     for st in report["stages"]:
@@ -538,7 +539,7 @@ def _render(report: dict) -> None:
         con.print(t)
         for r in st["rows"]:
             if r.get("note") and r["kind"] == "step_time":
-                con.print(f"  step time: {r['note']}")
+                con.print(f"  step time: {r['note']}", soft_wrap=True)
     for f in report["findings"]:
         if not any("oom" in s for s in report["stages"]):
             con.print(f"finding: {f['message']}")

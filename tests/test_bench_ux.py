@@ -113,12 +113,19 @@ def test_collectives_predicted_column_is_the_alpha_beta_time_on_the_profile():
     hw = load_profile(PROFILE)
     rep = _report({1 << 20: 1e-3, 1 << 24: 1e-2})
     add_predictions(rep, hw)
-    intra = hw.intra_node
+    from zeroplan.core.comm import LedgerEntry
+    from zeroplan.core.timing import collective_time_s
+
     for r in rep.results:
-        # all-reduce over 2 GPUs of one node: 2(n-1) = 2 latency steps, busbw factor 2(n-1)/n = 1
-        want = 2 * intra.latency_us * 1e-6 + r.size_bytes / (intra.bandwidth_GBps_per_gpu * 1e9 * intra.efficiency)
-        assert r.predicted_time_s == pytest.approx(want, rel=1e-12)
+        # the planner's own time for one all-reduce of this full buffer over the 2 GPUs of one node
+        e = LedgerEntry(op="all_reduce", phase="backward", what="x", buffer_bytes=r.size_bytes, count=3,
+                        dtype="float32", group="all", group_size=2, overlap=True, sent_bytes_per_call=1,
+                        sent_bytes=3)
+        want = collective_time_s(e, hw, 2, 2)
+        assert want > 0 and r.predicted_time_s == pytest.approx(want, rel=1e-12)
         assert r.predicted_busbw_GBps == pytest.approx(r.size_bytes / want / 1e9)
+    small, big = rep.results
+    assert big.predicted_time_s > small.predicted_time_s
     assert rep.hardware == hw.name
 
 

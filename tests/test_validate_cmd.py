@@ -194,3 +194,21 @@ print("RESULT" + json.dumps(rows))
     psi = 164672
     assert row["measured"] == pytest.approx(2 * psi + 12 * psi / 8, rel=0.02)
     assert abs(row["error"]) < 0.1
+
+
+def test_run_validation_keeps_going_when_one_check_fails(monkeypatch):
+    pytest.importorskip("torch")
+    from zeroplan.bench import gpu_validate as gv
+
+    def broken(device):
+        raise RuntimeError("cuBLAS failed to initialise")
+
+    monkeypatch.setattr(gv, "measure_context", broken)
+    rep = gv.run_validation("cpu", model="llama-2-7b", layers=1, hidden=64, seq_len=16,
+                            checks=("context", "optimizer", "multi-gpu"))
+    by = {r["check"]: r for r in rep["rows"]}
+    assert by["context"]["figure"] == "failed" and "cuBLAS" in by["context"]["note"]
+    assert by["optimizer foreach"]["measured"] == 4.0
+    assert by["optimizer foreach"]["predicted"] == 4.0  # the planner's optimizer_temp / Ψ
+    assert by["multi-gpu"]["figure"] == "skipped"
+    assert rep["environment"]["device"] == "cpu" and rep["inputs"]["scaled"]["layers"] == 1

@@ -342,25 +342,35 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
     planN = predict(spec, _zero_config(2, None), precision=precision, micro_batch=micro_batch, seq_len=seq_len,
                     grad_accum=1, n=gpus)
     opt_temp = plan1.memory.buffers_detail.get("optimizer_temp")
-    if "context" in want:
-        rows += measure_context(device)
-    if "optimizer" in want:
-        per_el = None if opt_temp is None else opt_temp / max(1, spec.params)
-        rows += measure_optimizer_temps(device, predicted_per_element=per_el)
-    if "activations" in want:
-        rows += measure_layer_activations(device, spec, seq_len=seq_len, micro_batch=micro_batch,
-                                          precision=precision)
-    if "engine" in want:
-        rows += measure_engine_peak(device, spec, _zero_config(2, None), precision=precision,
-                                    micro_batch=micro_batch, seq_len=seq_len, n=1, plan=plan1)
-    if "deepspeed" in want:
-        rows += measure_deepspeed_virtual(device, spec, n=gpus, stage=2, precision=precision,
-                                          micro_batch=micro_batch, seq_len=seq_len, plan=planN)
-    if "multi-gpu" in want:
+    per_el = None if opt_temp is None else opt_temp / max(1, spec.params)
+
+    def gpu_count() -> int:
         import torch
 
-        count = torch.cuda.device_count() if device == "cuda" else 0
-        rows += multi_gpu_checks(count, hardware)
+        return torch.cuda.device_count() if device == "cuda" else 0
+
+    steps: dict[str, Callable[[], list[dict[str, Any]]]] = {
+        "context": lambda: measure_context(device),
+        "optimizer": lambda: measure_optimizer_temps(device, predicted_per_element=per_el),
+        "activations": lambda: measure_layer_activations(device, spec, seq_len=seq_len, micro_batch=micro_batch,
+                                                         precision=precision),
+        "engine": lambda: measure_engine_peak(device, spec, _zero_config(2, None), precision=precision,
+                                              micro_batch=micro_batch, seq_len=seq_len, n=1, plan=plan1),
+        "deepspeed": lambda: measure_deepspeed_virtual(device, spec, n=gpus, stage=2, precision=precision,
+                                                       micro_batch=micro_batch, seq_len=seq_len, plan=planN),
+        "multi-gpu": lambda: multi_gpu_checks(gpu_count(), hardware),
+    }
+    for name, fn in steps.items():
+        if name not in want:
+            continue
+        try:
+            rows += fn()
+        except Exception as exc:  # noqa: BLE001 - one failing check (an OOM, a failed op build) keeps the rest
+            rows.append(row(name, "failed", None, None, unit="", note=f"{type(exc).__name__}: {exc}"[:500]))
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
     return {"environment": environment(device),
             "inputs": {"model": model, "scaled": {"name": spec.name, "params": spec.params, "layers": spec.num_layers,
                                                   "hidden": spec.hidden_size},

@@ -465,7 +465,7 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
                              "model_states": {"params": before.get("params", 0), "gradients": grads,
                                               "optimizer_states": before.get("optimizer_states", 0)}})
         entry["rows"] = compare(plan, measured, model_state_tol=tol["model_state"], phase_tol=tol["phase_peak"],
-                                collective_tol=tol["collective"], include_host=device != "cuda", device=device,
+                                collective_tol=tol["collective"], include_host=True, device=device,
                                 hardware=hardware)
         cm = [r.cuda_memory for r in results if r.cuda_memory]
         if cm:  # CUDA: the allocator's peaks over the measured steps, max over ranks (shown, not gated)

@@ -59,8 +59,11 @@ def _render_table(report: Any) -> None:
     cols = ["op", "size", "n", "time µs", "algbw GB/s", "busbw GB/s"]
     if predicted:
         cols += [f"pred µs ({report.hardware})", "pred busbw GB/s"]
+    # fixed minimum widths for the timing columns: the table's shape does not change with the timings
+    widths = {"time µs": 10, "ranks min–med–max µs": 23}
     for col in cols + ["ranks min–med–max µs", "slow"]:
-        t.add_column(col, justify="left" if col in ("op", "slow") else "right", no_wrap=True)
+        t.add_column(col, justify="left" if col in ("op", "slow") else "right", no_wrap=True,
+                     min_width=widths.get(col))
     for r in report.results:
         row = [r.op, _fmt_size(r.size_bytes), str(r.group_size), f"{r.time_s * 1e6:,.1f}",
                f"{r.algbw_GBps:.3f}", f"{r.busbw_GBps:.3f}"]

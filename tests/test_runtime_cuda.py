@@ -299,3 +299,12 @@ def test_deepspeed_config_keeps_the_optimizer_block_on_cuda(tmp_path):
     assert "optimizer" not in cpu and cpu["zero_force_ds_cpu_optimizer"] is False
     assert gpu["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4}}
     assert "zero_force_ds_cpu_optimizer" not in gpu
+
+
+def test_bench_zero_refuses_more_nccl_ranks_than_gpus(monkeypatch):
+    from zeroplan.bench import validate as v
+    from zeroplan.specs.model import load_model
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(InputError, match="one GPU per rank, this machine has 2"):
+        v.run_bench_zero(v.scaled_spec(load_model("gpt2")), [0], nproc=4, precision="fp32", backend="nccl")

@@ -871,9 +871,6 @@ def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, 
         raise InputError(f"DeepSpeed run: nproc={nproc}, steps={steps}, warmup={warmup}: "
                          "expected nproc >= 1, steps >= 1, warmup >= 0")
     hidden = getattr(spec, "hidden_size", None)
-    if not deepspeed_available():
-        raise InputError("--engine deepspeed: DeepSpeed is not installed; install it with "
-                         "DS_BUILD_OPS=0 pip install 'zeroplan[deepspeed]'")
     dev, _backend = select_device(nproc, device)
     jobs = []
     for i, run in enumerate(runs):  # zeroplan's own validation first: a bad config never reaches DeepSpeed
@@ -883,6 +880,9 @@ def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, 
         jobs.append({"name": f"run{i}", "ds_config": cfg, "precision": prec, "steps": warmup + steps,
                      "seq_len": seq_len, "spec": spec, "adamw": adamw, "memory_step": warmup + steps - 1,
                      "device": dev, "memory_from_step": warmup})
+    if not deepspeed_available():
+        raise InputError("--engine deepspeed: DeepSpeed is not installed; install it with "
+                         "DS_BUILD_OPS=0 pip install 'zeroplan[deepspeed]'")
     out = run_deepspeed_jobs(jobs, nproc=nproc, timeout_s=timeout_s, device=dev)
     return [[_to_rank_result(r, raw, warmup, steps) for r, raw in enumerate(ranks)] for ranks in out]
 

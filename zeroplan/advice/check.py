@@ -168,11 +168,13 @@ def check_config(
     gpus: int | None = None,
     nodes: int | None = None,
     gpus_per_node: int | None = None,
+    precision: str | None = None,
+    optimizer: str | None = None,
     micro_batch: int | None = None,
-    seq_len: int = 2048,
+    seq_len: int | None = None,
     grad_accum: int | None = None,
-    checkpointing: str = "none",
-    flash_attention: bool = True,
+    checkpointing: str | None = None,
+    flash_attention: bool | None = None,
     comm_model: str = "deepspeed",
     mfu: float | None = None,
     max_comm_share: float = 0.5,
@@ -201,8 +203,8 @@ def check_config(
     try:
         inp = build_plan_inputs(
             model=model, hardware=hardware, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, ds_config=path,
-            micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, checkpointing=checkpointing,
-            flash_attention=flash_attention,
+            precision=precision, optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len,
+            grad_accum=grad_accum, checkpointing=checkpointing, flash_attention=flash_attention,
         )
     except InputError as exc:  # the CLI options were validated before: this is the file itself
         msg = str(exc)
@@ -250,9 +252,9 @@ def run_check(patterns: list[str], *, fail_on: str = "error", **opts: Any) -> Ch
     # validate the shared options once (bad model / hardware / cluster → exit 2, not a per-file finding)
     inp = build_plan_inputs(
         model=opts["model"], hardware=opts["hardware"], gpus=opts.get("gpus"), nodes=opts.get("nodes"),
-        gpus_per_node=opts.get("gpus_per_node"), micro_batch=opts.get("micro_batch"),
-        seq_len=opts.get("seq_len", 2048), grad_accum=opts.get("grad_accum"),
-        checkpointing=opts.get("checkpointing", "none"),
+        gpus_per_node=opts.get("gpus_per_node"), precision=opts.get("precision"), optimizer=opts.get("optimizer"),
+        micro_batch=opts.get("micro_batch"), seq_len=opts.get("seq_len"), grad_accum=opts.get("grad_accum"),
+        checkpointing=opts.get("checkpointing"),
     )
     paths = expand_config_paths(patterns)
     files = [check_config(p, fail_on=fail_on, **opts) for p in paths]

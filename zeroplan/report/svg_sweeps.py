@@ -50,7 +50,7 @@ def _line_chart(
 ) -> str:
     """series: {name, color, dash (bool), values (list, None = missing), band (optional (lo, hi) lists)}.
     x is always log2-spaced (1, 2, 4, ...)."""
-    left, right, top, bottom_pad = 90, 30, 46, 0
+    left, right, top = 90, 30, 46
     legend_rows = 1 + (len(series) + (1 if hline else 0)) // 4
     plot_h = height - top - 70 - 22 * legend_rows
     plot_w = width - left - right

@@ -41,10 +41,7 @@ LAZY_ALLOWED: dict[str, str] = {}
 
 # Known breaks in files owned by another change, each an xfail(strict=True): module -> why.
 KNOWN_UPWARD: dict[str, str] = {}
-KNOWN_LAZY: dict[str, str] = {
-    "zeroplan.core.timing": "core/timing.py re-imports peak_flops from core.compute inside a function although "
-                            "it imports core.compute at module level (core/ is edited on another branch)",
-}
+KNOWN_LAZY: dict[str, str] = {}
 
 
 def layer_of(module: str) -> str:

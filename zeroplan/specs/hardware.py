@@ -503,7 +503,7 @@ def _toml_value(v: Any) -> str:
         return _toml_float(v)
     if isinstance(v, str):
         return _toml_str(v)
-    if isinstance(v, (list, tuple)):  # e.g. a link tier's NCCL algorithms
+    if isinstance(v, (list, tuple)):  # e.g. the NCCL algorithms a link offers
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 

@@ -83,7 +83,7 @@ def register(app: typer.Typer) -> None:
             "--output", "-o", metavar="PATH", show_default="stdout",
             help="Write the report to this file (atomically); stdout gets a one-line verdict.")] = None,
         expand_globs: Annotated[bool, typer.Option(
-            "--glob", help="Expand each CONFIG as a glob ('configs/**/*.json'); without it paths are literal.")] = False,
+            "--glob/--no-glob", help="Expand each CONFIG as a glob ('configs/**/*.json'); without it paths are literal.")] = False,
     ) -> None:
         """Gate DeepSpeed configs in CI: OOM, host RAM, NVMe, communication and stage/offload rules.
 

@@ -11,9 +11,15 @@ import typer
 
 from zeroplan._util import InputError
 
-__all__ = ["handle_errors", "print_json", "console", "err_console", "fail"]
+__all__ = ["handle_errors", "print_json", "console", "err_console", "fail", "IMPL_OPT"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+IMPL_OPT = typer.Option(
+    None, "--optimizer-impl",
+    help="How the Adam step runs on the GPU: fused-adam (DeepSpeed FusedAdam, no temporaries), torch-foreach "
+         "(torch AdamW foreach, 4 B/element), torch-fused, torch-single (foreach=False) or cpu-adam. "
+         "Default: from --ds-config (optimizer block: fused-adam; none: torch-foreach), else fused-adam.")
 
 
 def console():

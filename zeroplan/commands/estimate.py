@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from zeroplan.commands._common import console, handle_errors, print_json
+from zeroplan.commands._common import IMPL_OPT, console, handle_errors, print_json
 
 __all__ = ["register", "run_estimate"]
 
@@ -27,7 +27,9 @@ FLASH_OPT = typer.Option(True, "--flash-attention/--no-flash-attention", help="F
 OFFOPT_OPT = typer.Option(None, "--offload-optimizer", help="Offload optimizer states: none, cpu or nvme (stages 1–3).")
 OFFPAR_OPT = typer.Option(None, "--offload-param", help="Offload parameters: none, cpu or nvme (stage 3).")
 STAGE_OPT = typer.Option(None, "--stage", help="Evaluate one ZeRO stage (0–3). Default: all four, or the --ds-config's stage.")
-COMM_OPT = typer.Option("deepspeed", "--comm-model", help="deepspeed: what DeepSpeed actually issues; paper: the ZeRO paper's 2Ψ/2Ψ/3Ψ.")
+COMM_OPT = typer.Option("deepspeed", "--flavour", "--comm-model",
+                        help="deepspeed: what DeepSpeed 0.19.8 allocates and issues; paper: the ZeRO paper's accounting "
+                             "(4/4/12 = 20 B/param in fp32, 2Ψ/2Ψ/3Ψ communication). --comm-model is an alias.")
 MFU_OPT = typer.Option(0.4, "--mfu", help="Model FLOPs utilisation assumed for compute time (0–1).")
 JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
 STRICT_OPT = typer.Option(False, "--strict", help="Treat DeepSpeed config problems (unknown keys, wrong types) as errors (exit 2).")
@@ -42,7 +44,7 @@ def run_estimate(**kw):
     comm_model = kw.pop("comm_model", "deepspeed")
     mfu = kw.pop("mfu", 0.4)
     if comm_model not in ("deepspeed", "paper"):
-        raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
+        raise InputError(f"--flavour {comm_model!r} is unknown; expected deepspeed or paper")
     if not (0 < mfu <= 1):
         raise InputError(f"--mfu {mfu} must be in (0, 1]")
     inp = build_plan_inputs(**kw)
@@ -89,6 +91,7 @@ def register(app: typer.Typer) -> None:
         offload_param: Optional[str] = OFFPAR_OPT,
         stage: Optional[int] = STAGE_OPT,
         comm_model: str = COMM_OPT,
+        optimizer_impl: Optional[str] = IMPL_OPT,
         mfu: float = MFU_OPT,
         strict: bool = STRICT_OPT,
         json_out: bool = JSON_OPT,
@@ -102,7 +105,7 @@ def register(app: typer.Typer) -> None:
             ds_config=ds_config, strict=strict, precision=precision, optimizer=optimizer,
             micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, checkpointing=checkpointing,
             flash_attention=flash_attention, offload_optimizer=offload_optimizer, offload_param=offload_param,
-            stage=stage, comm_model=comm_model, mfu=mfu,
+            stage=stage, comm_model=comm_model, mfu=mfu, optimizer_impl=optimizer_impl,
         )
         if json_out:
             print_json(result)

@@ -410,7 +410,7 @@ class _Sweep:
         dev += int(oo != bz.optimizer_offload_device) + int(op != bz.param_offload_device)
         return _State(stage=stage, off_opt=oo, off_par=op, rbs=rbs, prefetch=pf, hpz=hpz, zero=None,
                       na=(fwd, bs, be, stp), host_per_node=host, nvme_per_node=nvme, deviation=dev, key=point,
-                      side=tuple(side), communicators=communicators(self.zero(stage, point), stage))
+                      side=tuple(side), communicators=communicators(self.zero(stage, point), stage, self.n))
 
     def peak(self, s: _State, mb: int, ckpt: str) -> int:
         """Exactly core.memory's peak: the caching allocator's pools over the phases' live bytes

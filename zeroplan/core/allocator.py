@@ -47,8 +47,11 @@ def round_segment(n: int) -> int:
     return -(-n // _ROUND_LARGE) * _ROUND_LARGE if n > 0 else 0
 
 
-def communicators(zero: Any, stage: int) -> int:
-    """NCCL communicators one rank of a DeepSpeed ZeRO data-parallel job creates."""
+def communicators(zero: Any, stage: int, n_gpus: int = 2) -> int:
+    """NCCL communicators one rank of a DeepSpeed ZeRO data-parallel job creates (a one-rank
+    job creates communicators without peers: no channel buffers, counted as none)."""
+    if n_gpus <= 1:
+        return 0
     n = 2  # world + ZeRO's cloned world group (groups._clone_world_group)
     if stage == 3 and int(getattr(zero, "zero_hpz_partition_size", 1) or 1) > 1:
         n += 1

@@ -202,7 +202,7 @@ def memory_for_stage(
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 
     # ---- the caching allocator, CUDA context, NCCL (core/allocator.py) ----
-    n_comm = communicators(zero, stage)
+    n_comm = communicators(zero, stage, n_gpus)
     frag = float(overhead.get("fragmentation_fraction", 0.0)) if overhead else 0.0
     allocated, reserved, side = reserved_bytes(
         {p: phases[p].peak for p in PHASES}, pb.side, fragmentation_fraction=frag,

@@ -167,7 +167,8 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetup, 
     whole-model fp32 gradients through the step (bf16_optimizer.py ``step``). Stage 3 (stage3.py
     ``_prepare_fp32_grad_for_sub_group``) casts per sub-group while the gradient partition buffer
     stays allocated. Stage 0 (FP16_Optimizer ``step``) casts every gradient into one fp32 flat
-    gradient; fp32 without ZeRO steps the parameters' own gradients in place.
+    gradient (the casts and the flat copy coexist); fp32 without ZeRO steps the parameters' own
+    gradients in place.
     """
     d = pb.detail
     if stage == 3:
@@ -188,11 +189,18 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetup, 
         pb.step_grads = grad_end
         d["step_fp32_grad"] = cast
         pb.step += max(cast, 4 * group + temps)
-    else:
+    elif stage == 0 and training.precision.mixed:
+        # fp16/fused_optimizer.py FP16_Optimizer.step: _flatten_dense_tensors([p.grad.to(fp32) ...]):
+        # the per-parameter fp32 casts and the flat copy coexist beside the 16-bit gradients,
+        # which are freed (p.grad = None) before the inner optimizer steps
         pb.step_grads = grad_end
-        fp32 = 4 * group if (stage == 0 and training.precision.mixed) else 0
-        d["step_fp32_grad"] = fp32
-        pb.step += fp32 + temps
+        d["step_fp32_grad"] = 8 * group
+        pb.step += max(8 * group, 4 * group + temps - grad_end)
+    else:
+        # no wrapper (fp32 without ZeRO): the optimizer steps the parameters' own gradients
+        pb.step_grads = grad_end
+        d["step_fp32_grad"] = 0
+        pb.step += temps
 
 
 def phase_buffers(layout: Layout, training: TrainingSetup, zero: Any, stage: int, *, off_opt: str, grad_bytes: int,

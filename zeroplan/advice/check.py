@@ -198,7 +198,7 @@ def check_config(
     checkpointing: str = "none",
     flash_attention: bool = True,
     comm_model: str = "deepspeed",
-    mfu: float = 0.4,
+    mfu: float | None = None,
     max_comm_share: float = 0.5,
     min_headroom: float = 0.10,
     fail_on: str = "error",
@@ -373,7 +373,7 @@ def run_check(patterns: list[str], *, fail_on: str = "error", **opts: Any) -> Ch
         raise InputError(f"--min-headroom {mh} must be in [0, 1)")
     if opts.get("comm_model", "deepspeed") not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {opts['comm_model']!r} is unknown; expected deepspeed or paper")
-    if not (0 < opts.get("mfu", 0.4) <= 1):
+    if opts.get("mfu") is not None and not (0 < opts["mfu"] <= 1):
         raise InputError(f"--mfu {opts['mfu']} must be in (0, 1]")
     if not opts.get("hardware"):
         raise InputError("check needs --hardware (a profile name from `zeroplan profiles list` or a TOML path): "

@@ -163,7 +163,7 @@ class Recommendation(BaseModel):
     cluster: ClusterSummary
     training: dict[str, Any]
     comm_model: str
-    mfu: float
+    mfu: float | None  # None: the compute model (core/compute.py)
     headroom: float
     usable_gpu_bytes: int
     usable_host_bytes_per_node: int
@@ -346,7 +346,7 @@ class _Family:
 
 
 class _Sweep:
-    def __init__(self, inp: Any, *, comm_model: str, mfu: float, base_zeros: dict[int, Any]):
+    def __init__(self, inp: Any, *, comm_model: str, mfu: float | None, base_zeros: dict[int, Any]):
         self.inp = inp
         self.hw = inp.hardware
         self.spec = inp.spec
@@ -449,7 +449,7 @@ class _Sweep:
 
     def time(self, ledger: Any, mb: int, ckpt: str) -> Any:
         return estimate_time(ledger, self.training(mb, ckpt), self.hw, active_params=self.spec.active_params,
-                             n_gpus=self.n, gpus_per_node=self.gpn, mfu=self.mfu)
+                             n_gpus=self.n, gpus_per_node=self.gpn, mfu=self.mfu, model=self.spec)
 
 
 def _pow2_up_to(cap: int) -> list[int]:
@@ -542,7 +542,7 @@ def recommend(
     *,
     headroom: float = 0.10,
     comm_model: str = "deepspeed",
-    mfu: float = 0.4,
+    mfu: float | None = None,
     max_micro_batch: int | None = None,
     micro_batch: int | None = None,
     checkpointing: str | None = None,
@@ -567,7 +567,7 @@ def recommend(
         raise InputError(f"--headroom {headroom} must be in [0, 1): the fraction of GPU memory and host RAM kept free")
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
-    if not (0 < mfu <= 1):
+    if mfu is not None and not (0 < mfu <= 1):
         raise InputError(f"--mfu {mfu} must be in (0, 1]")
     if max_micro_batch is not None and max_micro_batch < 1:
         raise InputError(f"--max-micro-batch {max_micro_batch} must be a positive integer")
@@ -834,10 +834,15 @@ def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int |
             f"Communication on {hw.name}: ZeRO-{c.stage} sends {gb(p.comm.bytes_per_gpu_per_step)} per GPU per "
             f"optimizer step" + (f" ({gb(inter)} of it across nodes over {hw.inter_node.name})" if rec.cluster.nodes > 1 else
                                  f" inside one node over {hw.intra_node.name}")
-            + f"; {seconds(t.comm_time_s)} of collectives, {seconds(t.exposed_time_s['best'])}–"
-            f"{seconds(t.exposed_time_s['worst'])} exposed, {t.comm_share:.0%} of the {seconds(t.step_time_s)} step "
-            f"(compute {seconds(t.compute_time_s)}" + (f", offload PCIe {seconds(t.pcie_time_s)}" if t.pcie_time_s else "")
-            + ")."
+            + f"; {seconds(t.comm_time_s)} of collectives ({_algos(t)}), {seconds(t.exposed_time_s['estimate'])} "
+            f"exposed after overlap (bracket {seconds(t.exposed_time_s['best'])}–{seconds(t.exposed_time_s['worst'])}; "
+            f"{seconds(t.hidden_comm_s)} hidden behind compute, which slows it by {seconds(t.overlap_slowdown_s)}), "
+            f"{t.comm_share:.0%} of the {seconds(t.step_time_s)} step. Compute {seconds(t.compute_time_s)} at MFU "
+            f"{t.mfu:.0%} ({_compute_terms(t)})"
+            + (f"; offload: PCIe copies {seconds(t.pcie_time_s)}" if t.pcie_time_s else "")
+            + (f", CPU optimizer step {seconds(t.cpu_optimizer_time_s)}" if t.cpu_optimizer_time_s else "")
+            + (f", NVMe swap {seconds(t.nvme_time_s)}" if t.nvme_time_s else "")
+            + "."
         )
         if c.stage == 3 and rec.cluster.nodes > 1 and is_ethernet(hw.inter_node):
             warn.append(f"ZeRO-3 across {rec.cluster.nodes} nodes over Ethernet ({hw.inter_node.name}, "
@@ -870,3 +875,16 @@ def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int |
         if micro_batch_fixed and micro_batch_fixed > 1:
             ex.append(f"  Try a smaller micro-batch than {micro_batch_fixed} (and more gradient accumulation).")
         ex.append("  Offload (CPU/NVMe) was searched too; see the host-RAM and NVMe limits above, or add nodes.")
+
+
+def _algos(t: Any) -> str:
+    """NCCL algorithm/protocol the model picks for the largest call of each collective."""
+    return ", ".join(f"{op} {a}" for op, a in sorted(t.algorithms.items())) or "none"
+
+
+def _compute_terms(t: Any) -> str:
+    c = t.compute
+    if c is None or c.gemm_fraction is None:
+        return t.mfu_source
+    return (f"{c.generation}: matmuls at {c.gemm_fraction:.2f} of peak × shape {c.shape_factor:.2f}, attention "
+            f"{c.attention_share:.0%} of the FLOPs at {c.attention_fraction:.2f}")

@@ -30,7 +30,7 @@ STAGE_OPT = typer.Option(None, "--stage", help="Evaluate one ZeRO stage (0–3).
 COMM_OPT = typer.Option("deepspeed", "--flavour", "--comm-model",
                         help="deepspeed: what DeepSpeed 0.19.8 allocates and issues; paper: the ZeRO paper's accounting "
                              "(4/4/12 = 20 B/param in fp32, 2Ψ/2Ψ/3Ψ communication). --comm-model is an alias.")
-MFU_OPT = typer.Option(0.4, "--mfu", help="Model FLOPs utilisation assumed for compute time (0–1).")
+MFU_OPT = typer.Option(None, "--mfu", help="Override the compute model with a fixed model FLOPs utilisation (0–1). Default: the compute model (FLOPs from the architecture at a rate by GPU generation and shape).")
 JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
 STRICT_OPT = typer.Option(False, "--strict", help="Treat DeepSpeed config problems (unknown keys, wrong types) as errors (exit 2).")
 
@@ -42,10 +42,10 @@ def run_estimate(**kw):
     from zeroplan.core.plan import ClusterSummary, EstimateResult, evaluate, model_summary, training_summary
 
     comm_model = kw.pop("comm_model", "deepspeed")
-    mfu = kw.pop("mfu", 0.4)
+    mfu = kw.pop("mfu", None)
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--flavour {comm_model!r} is unknown; expected deepspeed or paper")
-    if not (0 < mfu <= 1):
+    if mfu is not None and not (0 < mfu <= 1):
         raise InputError(f"--mfu {mfu} must be in (0, 1]")
     inp = build_plan_inputs(**kw)
     plans = [
@@ -92,7 +92,7 @@ def register(app: typer.Typer) -> None:
         stage: Optional[int] = STAGE_OPT,
         comm_model: str = COMM_OPT,
         optimizer_impl: Optional[str] = IMPL_OPT,
-        mfu: float = MFU_OPT,
+        mfu: Optional[float] = MFU_OPT,
         strict: bool = STRICT_OPT,
         json_out: bool = JSON_OPT,
     ) -> None:

@@ -54,7 +54,7 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def _plan_summary(p: Any) -> dict[str, Any]:
-    from zeroplan.report.charts import memory_at_peak, stage_label
+    from zeroplan.report.charts import memory_at_peak, stage_label, time_parts
 
     m = p.memory
     t = p.time
@@ -76,6 +76,11 @@ def _plan_summary(p: Any) -> dict[str, Any]:
             "comm_s": t.comm_time_s,
             "exposed_best_s": t.exposed_time_s["best"],
             "exposed_worst_s": t.exposed_time_s["worst"],
+            "exposed_s": t.exposed_time_s.get("estimate", t.exposed_time_s["worst"]),
+            "pcie_s": t.pcie_time_s,
+            "cpu_optimizer_s": t.cpu_optimizer_time_s,
+            "nvme_s": t.nvme_time_s,
+            "parts": time_parts(t),
             "step_time_s": t.step_time_s,
             "step_time_best_s": t.step_time_best_s,
             "step_time_worst_s": t.step_time_worst_s,
@@ -91,7 +96,7 @@ def build_report_data(
     *,
     max_nodes: int = 64,
     comm_model: str = "deepspeed",
-    mfu: float = 0.4,
+    mfu: float | None = None,
     inputs: dict[str, Any] | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
@@ -226,7 +231,7 @@ def register(app: typer.Typer) -> None:
         offload_param: Optional[str] = OFFPAR_OPT,
         stage: Optional[int] = STAGE_OPT,
         comm_model: str = COMM_OPT,
-        mfu: float = MFU_OPT,
+        mfu: Optional[float] = MFU_OPT,
         strict: bool = STRICT_OPT,
         html: Optional[str] = typer.Option(None, "--html", help="Write a self-contained HTML report (inline SVG charts, no network) to this path."),
         svg: Optional[str] = typer.Option(None, "--svg", help="Write the per-GPU memory chart alone as an SVG file."),

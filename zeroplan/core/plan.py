@@ -71,7 +71,7 @@ def evaluate(
     gpus_per_node: int | None = None,
     hardware: Any = None,
     comm_model: str = "deepspeed",
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = DEFAULT_MFU,
 ) -> Plan:
     """Evaluate one ZeRO configuration (``zero``: a ZeroConfig) on ``n_gpus`` data-parallel GPUs."""
     if gpus_per_node is None:
@@ -118,8 +118,9 @@ def evaluate(
             plan.host_fits = False
             plan.notes.append("NVMe offload exceeds the node's NVMe capacity")
         t = estimate_time(ledger, training, hardware, active_params=model.active_params, n_gpus=n_gpus,
-                          gpus_per_node=gpus_per_node, mfu=mfu)
+                          gpus_per_node=gpus_per_node, mfu=mfu, model=model)
         plan.time = t
+        plan.notes.extend(a for a in t.assumptions if a not in plan.notes)
         plan.comm.time_s = t.comm_time_s
         plan.comm.exposed_time_s = t.exposed_time_s
         plan.step_time_s = t.step_time_s

@@ -263,7 +263,8 @@ def time_chart_svg(data: dict[str, Any], width: int = 960) -> str | None:
         t = p["time"]
         y = top + i * row_h + (row_h - bar_h) / 2
         svg.label(left - 10, y + bar_h / 2 + 5, p["label"], anchor="end", size=13, weight="bold")
-        values = [t["compute_s"], t["exposed_best_s"], max(0.0, t["exposed_worst_s"] - t["exposed_best_s"])]
+        values = t.get("parts") or [t["compute_s"], t["exposed_best_s"], 0.0, 0.0, 0.0,
+                                    max(0.0, t["exposed_worst_s"] - t["exposed_best_s"])]
         acc = 0.0
         for part, v in zip(TIME_PARTS, values):
             if v <= 0:
@@ -278,7 +279,7 @@ def time_chart_svg(data: dict[str, Any], width: int = 960) -> str | None:
                   f"{_sec(t['step_time_s'])} estimate, comm share {t['comm_share']:.0%}", size=12)
     items = [(part.label, part.color, "hatch:hatch-worst" if part.key == "worst_extra" else "box")
              for part in TIME_PARTS]
-    items.append(("estimate (mean of best and worst)", "#111", "line"))
+    items.append(("estimate (overlap schedule)", "#111", "line"))
     _legend(svg, items, left, bottom + 66, plot_w + right - 20)
     return svg.text()
 
@@ -552,7 +553,7 @@ def _inputs_section(data: dict[str, Any]) -> str:
         ("batch", f"micro-batch {t['micro_batch']} × {t['seq_len']:,} tokens, gradient accumulation {t['grad_accum']}"),
         ("activations", f"checkpointing {t['checkpointing']}, flash attention {'on' if t['flash_attention'] else 'off'}"),
         ("comm model", data["comm_model"]),
-        ("MFU assumed", f"{data['mfu']:g}"),
+        ("MFU", f"{data['mfu']:g} (--mfu)" if data.get("mfu") is not None else "compute model (core/compute.py)"),
         ("sweep", f"memory: 1 … {data['memory_sweep']['gpus'][-1]:,} GPUs; time: 1 … {data['max_nodes']:,} nodes"),
     ]
     for k, v in data.get("inputs", {}).items():

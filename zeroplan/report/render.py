@@ -93,11 +93,22 @@ def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None)
         row("NVMe per node", lambda p: gb(p.memory.host.nvme_per_node_bytes))
     row("sent per GPU per step", lambda p: gb(p.comm.bytes_per_gpu_per_step))
     if c.hardware:
+        row("compute", lambda p: f"{seconds(p.time.compute_time_s)}\nMFU {p.time.mfu:.0%}")
         row("comm time (serial)", lambda p: seconds(p.comm.time_s))
-        row("exposed comm best–worst", lambda p: f"{seconds(p.time.exposed_time_s['best'])} – {seconds(p.time.exposed_time_s['worst'])}")
-        row("compute", lambda p: seconds(p.time.compute_time_s))
+        row("exposed comm", lambda p: f"{seconds(p.time.exposed_time_s['estimate'])}\n"
+            f"({seconds(p.time.exposed_time_s['best'])} – {seconds(p.time.exposed_time_s['worst'])})")
+        if any(p.time.overlap_slowdown_s for p in result.stages):
+            row("overlap slowdown", lambda p: seconds(p.time.overlap_slowdown_s))
+        if any(p.time.pcie_time_s for p in result.stages):
+            row("offload PCIe copies", lambda p: seconds(p.time.pcie_time_s))
+        if any(p.time.cpu_optimizer_time_s for p in result.stages):
+            row("CPU optimizer step", lambda p: seconds(p.time.cpu_optimizer_time_s))
+        if any(p.time.nvme_time_s for p in result.stages):
+            row("NVMe swap", lambda p: seconds(p.time.nvme_time_s))
         row("step time", lambda p: seconds(p.step_time_s))
         row("comm share", lambda p: f"{p.time.comm_share:.0%}")
+        if any(p.time.offload_share for p in result.stages):
+            row("offload share", lambda p: f"{p.time.offload_share:.0%}")
         row("tokens/s (cluster)", lambda p: f"{p.tokens_per_s:,.0f}")
     con.print(table)
     from zeroplan.report.charts import render_memory_bars, render_time_bars

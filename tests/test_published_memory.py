@@ -24,8 +24,11 @@ from zeroplan.specs.training import TrainingSetup, get_precision
 DATA = Path(__file__).parent / "data" / "published" / "memory.json"
 CASES = json.loads(DATA.read_text())["cases"]
 GIB = 2**30
-# what this dataset supports today (see the README's "Memory per GPU"); the goal is 0.05
+PROFILE = Path(__file__).parents[1] / "hardware_profiles" / "dgx-a100-80gb.toml"
 MEDIAN_ABS_ERROR_BOUND = 0.05
+# Verdicts zeroplan gets wrong today, each with its reason (README "Memory per GPU"): the test
+# fails when one of them starts passing (update the set) or another goes wrong.
+KNOWN_WRONG_VERDICTS: set[str] = set()
 
 
 def predict(case: dict) -> tuple[object, int | None]:
@@ -37,7 +40,7 @@ def predict(case: dict) -> tuple[object, int | None]:
         precision=get_precision(s["precision"]), micro_batch=s["micro_batch"], seq_len=s["seq_len"],
         grad_accum=s["grad_accum"], checkpointing=s["checkpointing"], optimizer_impl=s["optimizer_impl"],
     )
-    base = load_profile("dgx-a100-80gb")
+    base = load_profile(str(PROFILE))
     hw = base.model_copy(update={
         "gpu": base.gpu.model_copy(update={"memory_bytes": s["gpu_memory_bytes"]}),
         "node": base.node.model_copy(update={"gpus_per_node": s["gpus_per_node"]}),
@@ -76,8 +79,8 @@ def test_published_cases_error_and_verdicts(capsys):
               f"{sum(r[5] == r[6] for r in rows)}/{len(rows)} verdicts right; "
               f"{len({c['tracker'] for c in CASES})} independent sources")
     assert med <= MEDIAN_ABS_ERROR_BOUND
-    wrong = [r[0] for r in rows if r[5] != r[6]]
-    assert not wrong, f"fits/OOM verdict wrong for {wrong}"
+    wrong = {r[0] for r in rows if r[5] != r[6]}
+    assert wrong == KNOWN_WRONG_VERDICTS, f"fits/OOM verdicts wrong: {sorted(wrong)}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

@@ -223,7 +223,7 @@ class _State:
     nvme_per_node: int
     deviation: int  # how many searched keys differ from the base config
     key: tuple = ()
-    side: tuple[int, ...] = (0, 0, 0, 0)  # side-stream pools: all-gather fwd/bwd, reduce-scatter, reduction
+    side: tuple[int, ...] = (0, 0, 0, 0, 0)  # side-stream pools (all-gather fwd/bwd, reduce-scatter, reduction), step blocks
     communicators: int = 2
 
 
@@ -281,7 +281,8 @@ class _Family:
                                 m.buffers_detail.get("gathered_params_backward", 0),
                                 m.buffers_detail.get("reduce_scatter_temp", 0) if self.stage == 3 else 0,
                                 m.buffers_detail.get("allreduce_flatten", 0)
-                                if self.stage in (1, 2) and zero.overlap_comm else 0)
+                                if self.stage in (1, 2) and zero.overlap_comm else 0,
+                                m.step_transient_bytes)
         return self._mem[point]
 
     def _mem_composed(self, point: tuple) -> tuple:
@@ -416,7 +417,7 @@ class _Sweep:
         """Exactly core.memory's peak: the caching allocator's pools over the phases' live bytes
         (core/allocator.py), plus the CUDA context and NCCL per communicator."""
         fwd, bs, be, stp = s.na
-        ag_f, ag_b, rs, red = s.side
+        ag_f, ag_b, rs, red, step_transient = s.side
         bwd_start = bs + mb * self.act_bwd[ckpt]
         bwd, bwd_ag = (bwd_start, ag_b) if bwd_start >= be else (be, ag_b)
         live = {"forward": fwd + mb * self.act_fwd[ckpt], "backward": bwd, "step": stp}
@@ -425,7 +426,8 @@ class _Sweep:
         o = self.overhead
         _, reserved, _ = reserved_bytes(live, {k: v for k, v in pools.items() if any(v.values())},
                                         fragmentation_fraction=float(o["fragmentation_fraction"]),
-                                        expandable_segments=self.inp.training.expandable_segments)
+                                        expandable_segments=self.inp.training.expandable_segments,
+                                        step_transient=step_transient)
         return reserved + int(o["cuda_context_bytes"]) + int(o["nccl_bytes"]) * s.communicators
 
     def ledger(self, s: _State) -> Any:

@@ -44,7 +44,7 @@ def run_estimate(**kw):
     comm_model = kw.pop("comm_model", "deepspeed")
     mfu = kw.pop("mfu", None)
     if comm_model not in ("deepspeed", "paper"):
-        raise InputError(f"--flavour {comm_model!r} is unknown; expected deepspeed or paper")
+        raise InputError(f"--flavour (--comm-model) {comm_model!r} is unknown; expected deepspeed or paper")
     if mfu is not None and not (0 < mfu <= 1):
         raise InputError(f"--mfu {mfu} must be in (0, 1]")
     inp = build_plan_inputs(**kw)

@@ -61,13 +61,24 @@ def communicators(zero: Any, stage: int, n_gpus: int = 2) -> int:
 
 
 def reserved_bytes(live_by_phase: dict[str, int], side_pools: dict[str, dict[str, int]], *,
-                   fragmentation_fraction: float, expandable_segments: bool = False) -> tuple[int, int, dict[str, int]]:
+                   fragmentation_fraction: float, expandable_segments: bool = False,
+                   step_transient: int = 0) -> tuple[int, int, dict[str, int]]:
     """(allocated, reserved, {side pool: its maximum}) from the live bytes per phase and, per side
-    stream, the part of them allocated on it. reserved = the default-stream pool at its own
-    maximum (plus the split-segment slack) + each side pool at its own maximum, in 2 MiB units."""
+    stream, the part of them allocated on it.
+
+    reserved = the default-stream pool + each side pool at its own maximum, in 2 MiB units. The
+    default pool keeps the segments of its forward/backward maximum (plus the split-segment
+    slack); the optimizer step's large new blocks (``step_transient``: the flat fp32 gradient, its
+    casts, the optimizer's temporaries, each one block of up to GBs) are bigger than any freed
+    activation block, so the allocator's best-fit lookup (``get_free_block``) finds none and maps
+    new segments for them (``alloc_block``) on top of what is cached.
+    """
     allocated = max(live_by_phase.values())
-    default_pool = max(live_by_phase[p] - sum(pool.get(p, 0) for pool in side_pools.values()) for p in live_by_phase)
+    default = {p: live_by_phase[p] - sum(pool.get(p, 0) for pool in side_pools.values()) for p in live_by_phase}
     side = {name: max(pool.values(), default=0) for name, pool in side_pools.items()}
     slack = 0.0 if expandable_segments else fragmentation_fraction
-    reserved = round_segment(int(default_pool * (1 + slack))) + sum(round_segment(v) for v in side.values())
+    before_step = max((v for p, v in default.items() if p != "step"), default=0)
+    default_pool = max(int(before_step * (1 + slack)) + (0 if expandable_segments else step_transient),
+                       int(default.get("step", 0) * (1 + slack)))
+    reserved = round_segment(default_pool) + sum(round_segment(v) for v in side.values())
     return allocated, max(reserved, round_segment(allocated)), side

@@ -98,6 +98,7 @@ class MemoryBreakdown(BaseModel):
     side_stream_bytes: dict[str, int] = Field(default_factory=dict)  # per side-stream pool, its own maximum
     optimizer_impl: str = "fused-adam"
     optimizer_wrapper: str = "zero"  # what DeepSpeed wraps the optimizer in (core/memory_states.py)
+    step_transient_bytes: int = 0  # the step's large new blocks (core/allocator.py)
     notes: list[str] = Field(default_factory=list)
 
 
@@ -206,7 +207,7 @@ def memory_for_stage(
     frag = float(overhead.get("fragmentation_fraction", 0.0)) if overhead else 0.0
     allocated, reserved, side = reserved_bytes(
         {p: phases[p].peak for p in PHASES}, pb.side, fragmentation_fraction=frag,
-        expandable_segments=training.expandable_segments)
+        expandable_segments=training.expandable_segments, step_transient=pb.step_transient)
     od: dict[str, int] = {"allocator": reserved - allocated}
     if overhead:
         od["cuda_context"] = int(overhead.get("cuda_context_bytes", 0))
@@ -241,5 +242,6 @@ def memory_for_stage(
         side_stream_bytes=side,
         optimizer_impl=training.optimizer_impl if off_opt == "none" else "cpu-adam",
         optimizer_wrapper=sp.wrapper,
+        step_transient_bytes=pb.step_transient,
         notes=notes,
     )

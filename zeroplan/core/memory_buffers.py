@@ -45,6 +45,7 @@ class PhaseBuffers:
     gather_forward: GatherPeak | None = None
     gather_backward: GatherPeak | None = None
     step_grads: int | None = None  # gradient bytes live at the step (None: the end-of-backward gradients)
+    step_transient: int = 0  # the step's large new blocks (fp32 casts, flat copies, optimizer temporaries)
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -184,23 +185,24 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetup, 
     if stage in (1, 2) and wrapper != "bf16_optimizer":
         pb.step_grads = b_g * layout.grad_partition_12_max  # grads_in_partition, live through the cast
         d["step_fp32_grad"] = cast
-        pb.step += max(cast, 4 * group + temps - pb.step_grads)
+        pb.step_transient = max(cast, 4 * group + temps - pb.step_grads)
     elif stage == 3:
         pb.step_grads = grad_end
         d["step_fp32_grad"] = cast
-        pb.step += max(cast, 4 * group + temps)
+        pb.step_transient = max(cast, 4 * group + temps)
     elif stage == 0 and training.precision.mixed:
         # fp16/fused_optimizer.py FP16_Optimizer.step: _flatten_dense_tensors([p.grad.to(fp32) ...]):
         # the per-parameter fp32 casts and the flat copy coexist beside the 16-bit gradients,
         # which are freed (p.grad = None) before the inner optimizer steps
         pb.step_grads = grad_end
         d["step_fp32_grad"] = 8 * group
-        pb.step += max(8 * group, 4 * group + temps - grad_end)
+        pb.step_transient = max(8 * group, 4 * group + temps - grad_end)
     else:
         # no wrapper (fp32 without ZeRO): the optimizer steps the parameters' own gradients
         pb.step_grads = grad_end
         d["step_fp32_grad"] = 0
-        pb.step += temps
+        pb.step_transient = temps
+    pb.step += pb.step_transient
 
 
 def phase_buffers(layout: Layout, training: TrainingSetup, zero: Any, stage: int, *, off_opt: str, grad_bytes: int,

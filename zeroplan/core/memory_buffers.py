@@ -146,9 +146,10 @@ def _stage12(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetu
         pb.side["reduction"] = {"backward": d["allreduce_flatten"]}
     if off_opt != "none":
         pb.backward += d.get("offload_gpu_temp_grad", 0)
-    elif contiguous:
+    elif contiguous and stage == 2:
         # copy_grads_in_partition: grads_in_partition spans the WHOLE params overlapping the
-        # rank's slice; the .grad of those params is re-pointed into it (the originals freed)
+        # rank's slice; the .grad of those params is re-pointed into it (the originals freed).
+        # (Stage 1 keeps the full gradients until the step, so the buffer adds nothing there.)
         extra = b_g * (layout.grad_partition_12_max - layout.partition_12)
         if extra:
             d["gradient_partition_whole_params"] = extra

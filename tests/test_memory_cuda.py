@@ -207,3 +207,41 @@ def test_estimate_reports_allocated_and_reserved():
                      "dgx-a100-80gb")).memory
     assert m.allocated <= m.reserved < m.peak
     assert m.peak == m.reserved + m.overhead_detail["cuda_context"] + m.overhead_detail["nccl"]
+
+
+# ---- the CLI ----
+
+def _estimate_json(args):
+    import io
+    import json
+    from contextlib import redirect_stdout
+
+    from zeroplan.cli import main
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        try:
+            main(["estimate", "--model", "llama-2-7b", "--gpus", "8", "--json", *args])
+        except SystemExit as e:
+            assert e.code in (0, None)
+    return json.loads(buf.getvalue())
+
+
+def test_estimate_json_flavour_and_optimizer_impl():
+    ds = _estimate_json(["--stage", "0", "--precision", "fp32"])["stages"][0]["memory"]
+    paper = _estimate_json(["--stage", "0", "--precision", "fp32", "--flavour", "paper"])["stages"][0]["memory"]
+    alias = _estimate_json(["--stage", "0", "--precision", "fp32", "--comm-model", "paper"])["stages"][0]["memory"]
+    assert paper["model_states"] == alias["model_states"] == 20 * SPEC.params
+    assert ds["model_states"] == 16 * SPEC.params
+    m = _estimate_json(["--stage", "2", "--precision", "bf16", "--optimizer-impl", "torch-foreach"])["stages"][0]["memory"]
+    assert m["optimizer_impl"] == "torch-foreach" and m["allocated"] <= m["reserved"] <= m["peak"]
+
+
+def test_optimizer_impl_bad_value_is_one_line_exit_2():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "zeroplan", "estimate", "--model", "7B", "--optimizer-impl", "nope"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "--optimizer-impl" in r.stderr

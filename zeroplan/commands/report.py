@@ -18,7 +18,11 @@ The report data (what ``--json`` prints and what the HTML is rendered from) is o
 - ``time_sweep`` (null without a hardware profile): ``gpus_per_node``, ``nodes`` (1, 2, 4, …
   max_nodes), ``gpus``, ``series``: per stage ``stage``, ``label``, ``step_time_s``,
   ``step_time_best_s``, ``step_time_worst_s``, ``compute_time_s``, ``comm_share``,
-  ``tokens_per_s`` (one per entry of ``nodes``).
+  ``tokens_per_s`` (one per entry of ``nodes``);
+- ``recommendation`` (null without a hardware profile): what ``zeroplan recommend`` chooses for
+  the same inputs: ``chosen`` (its Candidate with a ``label``, or null when nothing fits),
+  ``explanation``, ``warnings`` (sentences) and ``explanation_reasons``, ``warning_reasons`` (the
+  same as templates with their quantities and units).
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ def _plan_summary(p: Any) -> dict[str, Any]:
         "peak_reason": m.peak_reason,
         "fits": p.fits,
         "headroom_bytes": p.headroom_bytes,
+        "host_memory_per_node": int(p.host_memory_per_node),
+        "host_ram_per_node_bytes": p.host_ram_per_node_bytes,
+        "host_fits": p.host_fits,
         "comm_bytes_per_gpu_per_step": int(p.comm.bytes_per_gpu_per_step),
         "time": None if t is None else {
             "compute_s": t.compute_time_s,
@@ -151,6 +158,17 @@ def build_report_data(
             })
         time_sweep = {"gpus_per_node": gpn, "nodes": nodes, "gpus": [n * gpn for n in nodes], "series": t_series}
     notes = list(dict.fromkeys(n for p in result.stages for n in p.notes))
+    recommendation = None
+    if inp.hardware is not None:
+        from zeroplan.advice.recommend import recommend
+
+        rec = recommend(inp, comm_model=comm_model, mfu=mfu, micro_batch=(inputs or {}).get("micro_batch"))
+        recommendation = {
+            "chosen": None if rec.chosen is None else {"label": rec.chosen.label(), **rec.chosen.model_dump(mode="json")},
+            "explanation": list(rec.explanation), "warnings": list(rec.warnings),
+            "explanation_reasons": [r.model_dump(mode="json") for r in rec.explanation_reasons],
+            "warning_reasons": [r.model_dump(mode="json") for r in rec.warning_reasons],
+        }
     return {
         "model": result.model.model_dump(mode="json"),
         "cluster": result.cluster.model_dump(mode="json"),
@@ -164,6 +182,7 @@ def build_report_data(
         "plans": [_plan_summary(p) for p in result.stages],
         "memory_sweep": {"gpus_per_node": gpn, "gpus": gpus, "series": mem_series},
         "time_sweep": time_sweep,
+        "recommendation": recommendation,
     }
 
 

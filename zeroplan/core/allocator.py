@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MIB", "round_block", "round_segment", "communicators", "reserved_bytes"]
+__all__ = ["MIB", "communicators", "reserved_bytes", "round_block", "round_segment"]
 
 MIB = 1 << 20
 _MIN_BLOCK = 512  # kMinBlockSize

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from zeroplan.core.layout import Layout
 from zeroplan.specs.training import TrainingSetup
 
-__all__ = ["HostMemory", "pinned_block", "host_memory"]
+__all__ = ["HostMemory", "host_memory", "pinned_block"]
 
 
 class HostMemory(BaseModel):

@@ -41,13 +41,13 @@ from zeroplan.specs.training import TrainingSetup
 __all__ = [
     "CATEGORIES",
     "PHASES",
-    "PhaseMemory",
     "GatherPeak",
     "HostMemory",
     "MemoryBreakdown",
+    "PhaseMemory",
     "memory_for_stage",
-    "paper_model_states",
     "model_state_bytes",
+    "paper_model_states",
 ]
 
 CATEGORIES = ("params", "gradients", "optimizer_states", "buffers", "activations")
@@ -136,6 +136,24 @@ def _reason(phases: dict[str, PhaseMemory], peak_phase: str, live_peak: int, sta
     return reason
 
 
+def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingSetup,
+                    overhead: dict[str, Any] | None, n_comm: int,
+                    notes: list[str]) -> tuple[int, int, dict[str, int], dict[str, int]]:
+    """(allocated, reserved, side pools, overhead detail): the caching allocator's view of the
+    phases (core/allocator.py) plus the CUDA context and NCCL per communicator from the profile."""
+    frag = float(overhead.get("fragmentation_fraction", 0.0)) if overhead else 0.0
+    allocated, reserved, side = reserved_bytes(
+        {p: phases[p].peak for p in PHASES}, pb.side, fragmentation_fraction=frag,
+        expandable_segments=training.expandable_segments, step_transient=pb.step_transient)
+    od: dict[str, int] = {"allocator": reserved - allocated}
+    if overhead:
+        od["cuda_context"] = int(overhead.get("cuda_context_bytes", 0))
+        od["nccl"] = int(overhead.get("nccl_bytes", 0)) * n_comm
+    else:
+        notes.append("no hardware profile: CUDA context and NCCL buffers are not included; no allocator slack")
+    return allocated, reserved, side, od
+
+
 def memory_for_stage(
     spec: ModelSpec,
     training: TrainingSetup,
@@ -204,16 +222,7 @@ def memory_for_stage(
 
     # ---- the caching allocator, CUDA context, NCCL (core/allocator.py) ----
     n_comm = communicators(zero, stage, n_gpus)
-    frag = float(overhead.get("fragmentation_fraction", 0.0)) if overhead else 0.0
-    allocated, reserved, side = reserved_bytes(
-        {p: phases[p].peak for p in PHASES}, pb.side, fragmentation_fraction=frag,
-        expandable_segments=training.expandable_segments, step_transient=pb.step_transient)
-    od: dict[str, int] = {"allocator": reserved - allocated}
-    if overhead:
-        od["cuda_context"] = int(overhead.get("cuda_context_bytes", 0))
-        od["nccl"] = int(overhead.get("nccl_bytes", 0)) * n_comm
-    else:
-        notes.append("no hardware profile: CUDA context and NCCL buffers are not included; no allocator slack")
+    allocated, reserved, side, od = _device_figures(phases, pb, training, overhead, n_comm, notes)
     peak = reserved + od.get("cuda_context", 0) + od.get("nccl", 0)
 
     gp = pb.gather_forward if peak_phase == "forward" else pb.gather_backward if peak_phase == "backward" else None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from zeroplan.core.layout import Layout
 from zeroplan.specs.training import TrainingSetup
 
-__all__ = ["StatePlan", "state_plan", "model_state_bytes", "optimizer_temp_bytes", "FLAVOURS"]
+__all__ = ["FLAVOURS", "StatePlan", "model_state_bytes", "optimizer_temp_bytes", "state_plan"]
 
 FLAVOURS = ("deepspeed", "paper")
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -94,7 +94,7 @@ def collectives(
         validate_config,
         write_report_json,
     )
-    from zeroplan.runtime.launch import RankError, under_torchrun
+    from zeroplan.runtime.launch import RankError, check_timeout, under_torchrun
 
     cfg = BenchConfig(
         ops=[o.strip() for o in ops.split(",") if o.strip()],
@@ -105,8 +105,7 @@ def collectives(
     validate_config(cfg)
     if save_profile is not None and hardware is None:
         raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the non-link fields")
-    if timeout <= 0:
-        raise InputError(f"--timeout {timeout}: expected seconds > 0")
+    check_timeout(timeout)  # nan, inf, <= 0: one line before any rank starts
     if save_profile is not None:
         from zeroplan.specs.hardware import load_profile
 
@@ -133,8 +132,14 @@ def collectives(
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return
     if save_profile is not None:
-        report.fit = save_profile_from_report(report, save_profile, hardware)
-        report.profile = save_profile
+        try:
+            report.fit = save_profile_from_report(report, save_profile, hardware)
+            report.profile = save_profile
+        except InputError as exc:  # the measured times cannot be fitted (base and path were checked first)
+            reason = str(exc).removeprefix("--save-profile: ")
+            err_console().print(f"warning: --save-profile: {reason}; no profile written", markup=False,
+                                highlight=False, soft_wrap=True)
+            save_profile = None
     if output is not None:
         write_report_json(report, output)
     if json_out:
@@ -177,6 +182,9 @@ def zero(
                                "real engine with --ds-config; needs zeroplan[deepspeed])."),
 ) -> None:
     """Run real ZeRO steps per stage and compare predicted vs measured memory and collectives."""
+    from zeroplan.runtime.torchrun import check_timeout
+
+    check_timeout(timeout)  # nan, inf, <= 0: one line before any rank starts
     try:
         from zeroplan.bench.validate import run_bench_zero_cli
     except ImportError as exc:

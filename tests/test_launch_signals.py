@@ -2,8 +2,9 @@
 
 - The launcher SIGKILLed at any moment while it forks ranks leaves no rank behind: each rank sets
   PR_SET_PDEATHSIG first and then checks getppid() (a launcher killed before the prctl has already
-  re-parented the rank). The loop kills a launcher right after its k-th fork (the worst case: the
-  rank has not run a line yet) and at random moments in the first 100 ms of ``spawn``. The fast
+  re-parented the rank). The loop kills a launcher right after its k-th fork with that rank held
+  back until the launcher is dead (the worst case, forced) and at random moments in the first
+  100 ms of ``spawn``. The fast
   loop runs in the default suite; the long one (``-m stress``, run by .ci/run) repeats it 40 times.
 - Every rank of one run shares one process group, not the launcher's.
 - Bad torchrun-style environments and timeouts: exit 2 with one line naming the variable.
@@ -88,17 +89,25 @@ def _launcher(mode: str, arg: float, nproc: int, tmp: str) -> int:
 
         tempfile.tempdir = tmp  # the spawn directory a SIGKILL cannot remove lands in tmp_path
         if mode == "after-fork":
-            import multiprocessing.context as mpc
+            # The worst case, made deterministic: the launcher dies right after its arg-th fork and
+            # that child runs its first line only once it has been re-parented, i.e. after the death
+            # (on an idle machine the child usually wins the race, which is why a plain kill loop
+            # misses the bug about 1 time in 3).
+            real_fork, forks, launcher = os.fork, [], os.getpid()
 
-            real_start, started = mpc.ForkProcess.start, []
+            def fork() -> int:
+                forks.append(1)
+                last = len(forks) == int(arg)
+                pid = real_fork()
+                if pid == 0 and last:
+                    end = time.monotonic() + GONE_S
+                    while os.getppid() == launcher and time.monotonic() < end:
+                        time.sleep(0.001)
+                elif last:
+                    os.kill(launcher, signal.SIGKILL)
+                return pid
 
-            def start(self):  # die right after the arg-th fork: that rank has not run a line yet
-                real_start(self)
-                started.append(self.pid)
-                if len(started) == int(arg):
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-            mpc.ForkProcess.start = start
+            os.fork = fork  # multiprocessing's fork Popen calls os.fork() at start()
         else:
             import threading
 

@@ -53,7 +53,7 @@ def _ok(rank: int, world: int, pid_dir: str) -> dict:
 
 
 def test_results_in_rank_order_and_children_gone(tmp_path):
-    out = spawn(_ok, 3, args=(str(tmp_path),), timeout_s=60)
+    out = spawn(_ok, 3, args=(str(tmp_path),), timeout_s=HANG_S)
     assert [r["rank"] for r in out] == [0, 1, 2]
     assert all(r["world"] == 3 and r["sum"] == 3.0 and r["threads"] == 1 for r in out)
     assert [r["env_rank"] for r in out] == ["0", "1", "2"]

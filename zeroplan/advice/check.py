@@ -29,16 +29,22 @@ import glob
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
 from zeroplan._util import InputError, read_text_file
-from zeroplan.core.inputs import build_plan_inputs, zero_for_stage
-from zeroplan.core.plan import ClusterSummary, evaluate
-from zeroplan.core.timing import collective_time_s
-from zeroplan.report.formats import find_key_line, key_lines
-from zeroplan.report.render import gb, gb_gib, seconds
+from zeroplan.advice.alternatives import (
+    NDR_GBPS_PER_GPU, AdviceContext, bucket_latency_share, comm_remedies, is_ethernet,
+)
+from zeroplan.advice.reasons import (
+    MEANINGFUL, Alternative, Quantity, Reason, join_reasons, qbytes, qbytes_gib, qcount, qfraction, qseconds, qtokens,
+    reason,
+)
+from zeroplan.core.inputs import build_plan_inputs
+from zeroplan.core.plan import ClusterSummary, Plan
+from zeroplan.specs.config_lines import find_key_line, key_lines
+from zeroplan.specs.deepspeed_config import RULES as DS_RULES
 from zeroplan.specs.findings import SEVERITY_ORDER, Finding
 
 __all__ = [
@@ -70,10 +76,19 @@ CHECK_RULES: dict[str, tuple[str, str]] = {
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
+PREFETCH_SMALL = 10_000_000  # stage3_prefetch_bucket_size tried for ZP102, elements (as recommend's search)
+BUCKET_LARGE = 500_000_000  # reduce_bucket_size tried for ZP203 at least, elements (DeepSpeed's default)
+
+
 class LocatedFinding(Finding):
-    """A Finding with the 1-based line of its key in the config file (None when unknown)."""
+    """A Finding with the 1-based line of its key in the config file (None when unknown).
+
+    zeroplan's own rules also carry ``reason`` (the message as a template and its quantities with
+    units) and ``alternatives`` (each suggested change, evaluated: see advice/reasons.py)."""
 
     line: int | None = None
+    reason: Reason | None = None
+    alternatives: list[Alternative] = Field(default_factory=list)
 
 
 class PlanSummary(BaseModel):
@@ -148,29 +163,7 @@ def expand_config_paths(patterns: list[str]) -> list[str]:
     return out
 
 
-def bucket_latency_share(plan: Any, hw: Any) -> tuple[float, int, float]:
-    """(latency share, calls per step, seconds) of the gradient-bucket collectives under the α–β model.
-
-    The α part of one call is ``collective_time_s`` of the same call with a zero-byte buffer.
-    """
-    lat = tot = 0.0
-    calls = 0
-    for e in plan.comm.collectives:
-        if "gradient bucket" not in e.what:
-            continue
-        t = collective_time_s(e, hw, plan.n_gpus, plan.gpus_per_node)
-        a = collective_time_s(e.model_copy(update={"buffer_bytes": 0}), hw, plan.n_gpus, plan.gpus_per_node)
-        tot += e.count * t
-        lat += e.count * a
-        calls += e.count
-    return (lat / tot if tot > 0 else 0.0), calls, tot
-
-
-def _fits(plan: Any, min_headroom: float) -> bool:
-    return plan.memory.peak <= plan.gpu_memory_bytes * (1 - min_headroom) and bool(plan.host_fits)
-
-
-def _summary(plan: Any, training: Any) -> PlanSummary:
+def _summary(plan: Plan, training: Any) -> PlanSummary:
     return PlanSummary(
         stage=plan.stage, offload_optimizer=plan.offload_optimizer, offload_param=plan.offload_param,
         precision=training.precision.name, micro_batch=training.micro_batch, grad_accum=training.grad_accum,
@@ -182,6 +175,170 @@ def _summary(plan: Any, training: Any) -> PlanSummary:
         comm_bytes_per_gpu_per_step=plan.comm.bytes_per_gpu_per_step, step_time_s=plan.step_time_s,
         tokens_per_s=plan.tokens_per_s, comm_share=plan.time.comm_share if plan.time else None,
     )
+
+
+_B, _BG, _S, _F, _T, _N = qbytes, qbytes_gib, qseconds, qfraction, qtokens, qcount
+_joined = join_reasons
+
+
+Add = Callable[..., None]
+
+
+def _capacity_rules(ctx: AdviceContext, plan: Plan, add: Add, gpu: str) -> None:
+    mem, hw, z = plan.memory, ctx.hw, "zero_optimization"
+    gpu_mem = int(plan.gpu_memory_bytes or 0)
+    stage = int(ctx.zero.stage)
+    if mem.peak > gpu_mem:
+        add("ZP101", "error", reason("OOM: predicted peak {peak} per GPU in {phase} exceeds the {gpu} by {over}; {why}",
+                                     peak=_BG(mem.peak), phase=mem.peak_phase, gpu=gpu, over=_B(mem.peak - gpu_mem),
+                                     why=mem.peak_reason), f"{z}.stage", stage)
+    if stage == 3:
+        ov = hw.overhead
+        frac = float(ov.fragmentation_fraction)
+        fixed = int(ov.cuda_context_bytes) + int(ov.nccl_bytes)
+        for phase in ("forward", "backward"):
+            g = mem.buffers_detail.get(f"gathered_params_{phase}", 0)
+            if not g:
+                continue
+            rest = mem.phases[phase].peak - g
+            need = int((rest + g) * (1 + frac)) + fixed
+            without = int(rest * (1 + frac)) + fixed
+            if need > gpu_mem and without <= gpu_mem:
+                module = mem.gather.module if mem.gather is not None else "the largest module"
+                r = reason("OOM during the {phase} gather phase: states, buffers and activations take {without} "
+                           "(with overhead) of the {gpu}, leaving {left}, but gathering parameters around `{module}` "
+                           "needs {gather}", phase=phase, without=_B(without), gpu=gpu, left=_B(gpu_mem - without),
+                           module=module, gather=_B(int(g * (1 + frac))))
+                alts = []
+                pf = int(ctx.zero.prefetch_bucket_size)
+                if pf > PREFETCH_SMALL:
+                    a = ctx.try_change({"prefetch_bucket_size": PREFETCH_SMALL}, "peak_bytes", "lower")
+                    alts.append(a)
+                    slots = dict(pf=Quantity(value=PREFETCH_SMALL, unit="elements"), after=_B(a.after_peak_bytes))
+                    r = _joined([r, reason("with stage3_prefetch_bucket_size {pf} the peak is {after}" +
+                                           (" and fits" if a.fits else ", still over"), **slots)])
+                add("ZP102", "error", r, f"{z}.prefetch_bucket_size", alternatives=alts)
+                break
+    if mem.peak <= gpu_mem and (plan.headroom_bytes or 0) < ctx.min_headroom * gpu_mem:
+        r = reason("headroom {free} is {share} of the {gpu}, under the {min} kept free (peak {peak} in {phase})",
+                   free=_B(plan.headroom_bytes or 0), share=_F((plan.headroom_bytes or 0) / gpu_mem, 1), gpu=gpu,
+                   min=_F(ctx.min_headroom), peak=_B(mem.peak), phase=mem.peak_phase)
+        mb2 = 2 * ctx.training.micro_batch
+        p2 = ctx.plan({"micro_batch": mb2})
+        if p2.memory.peak > gpu_mem:
+            r = _joined([r, reason("micro-batch {mb2} would peak at {p2}: OOM", mb2=_N(mb2), p2=_B(p2.memory.peak))])
+        add("ZP103", "warning", r, f"{z}.stage", stage)
+    host_ram = int(hw.node.host_ram_bytes)
+    if mem.host.per_node_bytes > host_ram:
+        key = f"{z}.offload_optimizer" if plan.offload_optimizer != "none" else f"{z}.offload_param"
+        add("ZP104", "error", reason(
+            "offload needs {host} of host RAM per node ({ranks} ranks, pinned {pinned}) but a node has {ram}: the "
+            "host OOMs (nvidia-smi does not show it)", host=_BG(mem.host.per_node_bytes), ranks=_N(ctx.inp.gpus_per_node),
+            pinned=_B(mem.host.pinned_per_node_bytes), ram=_BG(host_ram)), key)
+    nvme_cap = int(hw.node.nvme_capacity_bytes)
+    if mem.host.nvme_per_node_bytes > nvme_cap:
+        key = f"{z}.offload_optimizer.device" if plan.offload_optimizer == "nvme" else f"{z}.offload_param.device"
+        add("ZP105", "error", reason("NVMe offload needs {need} per node but the node has {cap} of NVMe",
+                                     need=_B(mem.host.nvme_per_node_bytes), cap=_B(nvme_cap)), key, "nvme")
+
+
+def _comm_rules(ctx: AdviceContext, plan: Plan, add: Add, max_comm_share: float) -> None:
+    hw, z, stage = ctx.hw, "zero_optimization", int(ctx.zero.stage)
+    t = plan.time
+    if t is not None and t.comm_share > max_comm_share:
+        r = reason("exposed communication is {share} of the {step} step (limit {lim}): {sent} sent per GPU per step, "
+                   "{best}–{worst} exposed, compute {compute}", share=_F(t.comm_share), step=_S(t.step_time_s),
+                   lim=_F(max_comm_share), sent=_B(plan.comm.bytes_per_gpu_per_step),
+                   best=_S(t.exposed_time_s["best"]), worst=_S(t.exposed_time_s["worst"]), compute=_S(t.compute_time_s))
+        rem = comm_remedies(ctx)
+        add("ZP201", "warning", _joined([r] + [x for _, x in rem]), f"{z}.stage", stage,
+            alternatives=[a for a, _ in rem])
+    if stage == 3 and ctx.inp.nodes > 1 and is_ethernet(hw.inter_node):
+        r = reason("ZeRO-3 across {nodes} nodes over Ethernet ({link}, {bw} per GPU): parameters are all-gathered "
+                   "over the slow link in forward and backward every micro-step ({inter} per GPU per step across "
+                   "nodes, {share} of the step exposed)", nodes=_N(ctx.inp.nodes), link=hw.inter_node.name,
+                   bw=Quantity(value=hw.inter_node.bandwidth_GBps_per_gpu, unit="GB/s"),
+                   inter=_B(plan.comm.inter_node_bytes_per_gpu_per_step), share=_F(t.comm_share if t else 0.0))
+        parts, alts = [r], []
+        lower = [(s, ctx.try_change({"stage": s}, "tokens_per_s", "higher")) for s in (1, 2)]
+        fit_lower = [(s, a) for s, a in lower if a.fits]
+        if fit_lower:
+            s, a = max(fit_lower, key=lambda x: x[1].after)
+            alts.append(a)
+            verb = "is faster" if a.holds else "is not faster"
+            parts.append(reason("ZeRO-{s} fits and " + verb + ": {after} vs {before}", s=_N(s), after=_T(a.after),
+                                before=_T(a.before)))
+        else:
+            parts.append(reason("no lower stage fits"))
+        gpn = ctx.inp.gpus_per_node
+        if int(ctx.zero.zero_hpz_partition_size or 1) != gpn:
+            h = ctx.try_change({"hpz_partition_size": gpn}, "tokens_per_s", "higher")
+            alts.append(h)
+            parts.append(reason("hpZ (zero_hpz_partition_size {gpn}) " + ("reaches" if h.holds else "only reaches") +
+                                " {after} vs {before}" + ("" if h.fits else " and does not fit (peak {peak})"),
+                                gpn=_N(gpn), after=_T(h.after), before=_T(h.before), peak=_B(h.after_peak_bytes)))
+        f = ctx.try_change({"inter_node_GBps_per_gpu": NDR_GBPS_PER_GPU}, "tokens_per_s", "higher")
+        alts.append(f)
+        parts.append(reason("a {bw}-per-GPU link (NDR InfiniBand) " + ("reaches" if f.holds else "only reaches") +
+                            " {after} vs {before}", bw=Quantity(value=NDR_GBPS_PER_GPU, unit="GB/s"),
+                            after=_T(f.after), before=_T(f.before)))
+        add("ZP202", "warning", _joined(parts), f"{z}.stage", stage, alternatives=alts)
+    share, calls, bucket_s = bucket_latency_share(plan, hw)
+    if share > 0.5:
+        rbs = int(ctx.zero.reduce_bucket_size)
+        r = reason("gradient reduction is latency-bound: {calls} bucket collectives per step, latency is {share} of "
+                   "their {secs} (α–β model)", calls=_N(calls), share=_F(share), secs=_S(bucket_s))
+        big = max(4 * rbs, BUCKET_LARGE)
+        a = ctx.try_change({"reduce_bucket_size": big}, "bucket_latency_share", "lower")
+        slots = dict(rbs=Quantity(value=rbs, unit="elements"), big=Quantity(value=big, unit="elements"),
+                     after=_F(a.after), peak=_B(a.after_peak_bytes))
+        if a.holds:
+            tail = reason("reduce_bucket_size {big} (now {rbs}) lowers it to {after} (peak {peak}, fits)", **slots)
+        else:
+            tail = reason("reduce_bucket_size {big} (now {rbs}) gives {after}" +
+                          ("" if a.fits else " and does not fit (peak {peak})"), **slots)
+        add("ZP203", "warning", _joined([r, tail]), f"{z}.reduce_bucket_size", rbs, alternatives=[a])
+
+
+def _stage_rules(ctx: AdviceContext, plan: Plan, add: Add) -> None:
+    z, stage, training = "zero_optimization", int(ctx.zero.stage), ctx.training
+    gpu_mem = int(plan.gpu_memory_bytes or 0)
+    if stage == 2 and training.grad_accum >= 4:
+        a = ctx.try_change({"stage": 1}, "comm_bytes_per_gpu_per_step", "lower")
+        if a.holds:
+            p1 = ctx.plan({"stage": 1})
+            add("ZP204", "warning", reason(
+                "stage 2 reduces gradients every micro-step: with gradient_accumulation_steps = {gas} it sends {s2} per "
+                "GPU per step, stage 1 {s1} (once per step), and stage 1 fits (peak {peak}; {t1} vs {t2})",
+                gas=_N(training.grad_accum), s2=_B(a.before), s1=_B(a.after), peak=_B(p1.memory.peak),
+                t1=_T(p1.tokens_per_s), t2=_T(plan.tokens_per_s)),
+                "gradient_accumulation_steps", training.grad_accum, alternatives=[a])
+    if stage == 3:
+        lower = [(s, ctx.try_change({"stage": s}, "tokens_per_s", "not_lower")) for s in (1, 2)]
+        fit = [(s, a) for s, a in lower if a.fits]
+        if fit:
+            s, a = max(fit, key=lambda x: (x[1].after, -x[0]))
+            if a.holds:  # the lower stage is at least as fast, within the model's noise
+                faster = a.after >= (1 + MEANINGFUL) * a.before
+                p = ctx.plan({"stage": s})
+                add("ZP301", "warning" if faster else "info", reason(
+                    "stage {s} fits (peak {peak} of {cap}) with {after} vs stage 3's {before}: " +
+                    ("faster, without" if faster else "as fast within the model's {noise}, and without") +
+                    " stage 3's parameter all-gathers every micro-step ({gather} per GPU per step)",
+                    s=_N(s), peak=_B(p.memory.peak), cap=_B(gpu_mem), after=_T(a.after), before=_T(a.before),
+                    noise=_F(MEANINGFUL), gather=_B(plan.comm.bytes_per_gpu_per_step_by_op.get("all_gather", 0))),
+                    f"{z}.stage", stage, alternatives=[a])
+    if plan.offload_optimizer != "none" or plan.offload_param != "none":
+        a = ctx.try_change({"offload_optimizer": "none", "offload_param": "none"}, "tokens_per_s", "not_lower")
+        if a.holds:
+            p0 = ctx.plan({"offload_optimizer": "none", "offload_param": "none"})
+            add("ZP302", "warning", reason(
+                "ZeRO-{stage} fits without offload (peak {peak} of {cap}, {after} vs {before} with offload): offload "
+                "moves {pcie} over PCIe per GPU per step and takes {host} of host RAM per node for no speed-up",
+                stage=_N(stage), peak=_B(p0.memory.peak), cap=_B(gpu_mem), after=_T(a.after), before=_T(a.before),
+                pcie=_B(sum(x.bytes_per_step for x in plan.comm.pcie)), host=_B(plan.memory.host.per_node_bytes)),
+                f"{z}.offload_optimizer" if plan.offload_optimizer != "none" else f"{z}.offload_param",
+                alternatives=[a])
 
 
 def check_config(
@@ -198,14 +355,12 @@ def check_config(
     checkpointing: str = "none",
     flash_attention: bool = True,
     comm_model: str = "deepspeed",
-    mfu: float = 0.4,
+    mfu: float | None = None,
     max_comm_share: float = 0.5,
     min_headroom: float = 0.10,
     fail_on: str = "error",
 ) -> ConfigCheck:
     """Check one DeepSpeed config file (see the module docstring for the rules)."""
-    from zeroplan.advice.recommend import is_ethernet
-
     findings: list[LocatedFinding] = []
     if not Path(path).is_file():  # a missing path or a directory is a command-line mistake: exit 2
         read_text_file(path, "DeepSpeed config")
@@ -217,10 +372,12 @@ def check_config(
         return ConfigCheck(path=path, verdict="fail", findings=findings, rules=["ZP000"], error=msg)
     lines = key_lines(text)
 
-    def add(rule: str, severity: str, message: str, key: str = "", value: Any = None) -> None:
-        findings.append(LocatedFinding(rule_id=rule, severity=severity, message=message, key=key, file=path,
+    def add(rule: str, severity: str, why: Reason, key: str = "", value: Any = None,
+            alternatives: list[Alternative] | None = None) -> None:
+        findings.append(LocatedFinding(rule_id=rule, severity=severity, message=why.text(), key=key, file=path,
                                        value=None if value is None else str(value),
-                                       line=find_key_line(lines, key) or (1 if not key else None)))
+                                       line=find_key_line(lines, key) or (1 if not key else None),
+                                       reason=why, alternatives=list(alternatives or [])))
 
     try:
         inp = build_plan_inputs(
@@ -235,134 +392,27 @@ def check_config(
                                        line=int(m.group(1)) if m else 1))
         return ConfigCheck(path=path, verdict="fail", findings=findings, rules=["ZP000"], error=msg)
 
-    from zeroplan.specs.deepspeed_config import RULES as DS_RULES
-
     ds = inp.ds
     for f in ds.findings:
         findings.append(LocatedFinding(**f.model_dump(exclude={"file"}), file=path,
                                        line=find_key_line(lines, f.key) if f.key else 1))
     hw = inp.hardware
-    stage = ds.zero.stage
-    training = inp.training
-
-    def plan_for(zero: Any) -> Any:
-        return evaluate(model=inp.spec, training=training, zero=zero, n_gpus=inp.n_gpus,
-                        gpus_per_node=inp.gpus_per_node, hardware=hw, comm_model=comm_model, mfu=mfu)
-
-    zero = inp.zero(stage)
-    plan = plan_for(zero)
-    mem = plan.memory
-    gpu_mem = plan.gpu_memory_bytes
-    gpu = f"{hw.gpu.name} ({gb_gib(gpu_mem)})"
-    z = "zero_optimization"
-
-    # ---- capacity ----
-    if mem.peak > gpu_mem:
-        add("ZP101", "error",
-            f"OOM: predicted peak {gb_gib(mem.peak)} per GPU in {mem.peak_phase} exceeds the {gpu} by "
-            f"{gb(mem.peak - gpu_mem)}; {mem.peak_reason}", f"{z}.stage", stage)
-    if stage == 3:
-        ov = hw.overhead
-        frac = float(ov.fragmentation_fraction)
-        fixed = int(ov.cuda_context_bytes) + int(ov.nccl_bytes)
-        for phase in ("forward", "backward"):
-            g = mem.buffers_detail.get(f"gathered_params_{phase}", 0)
-            if not g:
-                continue
-            rest = mem.phases[phase].peak - g
-            need = int((rest + g) * (1 + frac)) + fixed
-            without = int(rest * (1 + frac)) + fixed
-            if need > gpu_mem and without <= gpu_mem:
-                module = mem.gather.module if mem.gather is not None else "the largest module"
-                add("ZP102", "error",
-                    f"OOM during the {phase} gather phase: states, buffers and activations take {gb(without)} "
-                    f"(with overhead) of the {gpu}, leaving {gb(gpu_mem - without)}, but gathering parameters "
-                    f"around `{module}` needs {gb(int(g * (1 + frac)))}; lower stage3_prefetch_bucket_size / "
-                    f"stage3_max_live_parameters or stage3_max_reuse_distance", f"{z}.prefetch_bucket_size")
-                break
-    if mem.peak <= gpu_mem and plan.headroom_bytes < min_headroom * gpu_mem:
-        add("ZP103", "warning",
-            f"headroom {gb(plan.headroom_bytes)} is {plan.headroom_bytes / gpu_mem:.1%} of the {gpu}, under "
-            f"{min_headroom:.0%}: allocator fragmentation, a longer sequence or a larger batch can OOM "
-            f"(peak {gb(mem.peak)} in {mem.peak_phase})", f"{z}.stage", stage)
-    host_ram = int(hw.node.host_ram_bytes)
-    if mem.host.per_node_bytes > host_ram:
-        key = f"{z}.offload_optimizer" if plan.offload_optimizer != "none" else f"{z}.offload_param"
-        add("ZP104", "error",
-            f"offload needs {gb_gib(mem.host.per_node_bytes)} of host RAM per node ({inp.gpus_per_node} ranks, "
-            f"pinned {gb(mem.host.pinned_per_node_bytes)}) but a node has {gb_gib(host_ram)}: the host OOMs "
-            "(nvidia-smi does not show it)", key)
-    nvme_cap = int(hw.node.nvme_capacity_bytes)
-    if mem.host.nvme_per_node_bytes > nvme_cap:
-        key = f"{z}.offload_optimizer.device" if plan.offload_optimizer == "nvme" else f"{z}.offload_param.device"
-        add("ZP105", "error",
-            f"NVMe offload needs {gb(mem.host.nvme_per_node_bytes)} per node but the node has "
-            f"{gb(nvme_cap)} of NVMe", key, "nvme")
-
-    # ---- communication ----
-    t = plan.time
-    if t is not None and t.comm_share > max_comm_share:
-        add("ZP201", "warning",
-            f"exposed communication is {t.comm_share:.0%} of the {seconds(t.step_time_s)} step (limit "
-            f"{max_comm_share:.0%}): {gb(plan.comm.bytes_per_gpu_per_step)} sent per GPU per step, "
-            f"{seconds(t.exposed_time_s['best'])}–{seconds(t.exposed_time_s['worst'])} exposed, compute "
-            f"{seconds(t.compute_time_s)}", f"{z}.stage", stage)
-    if stage == 3 and inp.nodes > 1 and is_ethernet(hw.inter_node):
-        add("ZP202", "warning",
-            f"ZeRO-3 across {inp.nodes} nodes over Ethernet ({hw.inter_node.name}, "
-            f"{hw.inter_node.bandwidth_GBps_per_gpu:g} GB/s per GPU): parameters are all-gathered over the slow "
-            f"link in forward and backward every micro-step ({gb(plan.comm.inter_node_bytes_per_gpu_per_step)} "
-            "per GPU per step across nodes); prefer a lower stage if it fits, hpZ (zero_hpz_partition_size), "
-            "or InfiniBand", f"{z}.stage", stage)
-    share, calls, bucket_s = bucket_latency_share(plan, hw)
-    if share > 0.5:
-        add("ZP203", "warning",
-            f"gradient reduction is latency-bound: {calls:,} bucket collectives per step, latency is {share:.0%} "
-            f"of their {seconds(bucket_s)} (α–β model); raise reduce_bucket_size "
-            f"(now {zero.reduce_bucket_size:,} elements)", f"{z}.reduce_bucket_size", zero.reduce_bucket_size)
-
-    # ---- is this the right stage / offload? ----
-    if stage == 2 and training.grad_accum >= 4:
-        p1 = plan_for(zero_for_stage(inp, 1))
-        if _fits(p1, min_headroom):
-            add("ZP204", "warning",
-                f"stage 2 reduces gradients every micro-step: with gradient_accumulation_steps = "
-                f"{training.grad_accum} it sends {gb(plan.comm.bytes_per_gpu_per_step)} per GPU per step, stage 1 "
-                f"{gb(p1.comm.bytes_per_gpu_per_step)} (once per step), and stage 1 fits (peak {gb(p1.memory.peak)})",
-                "gradient_accumulation_steps", training.grad_accum)
-    if stage == 3:
-        for lower in (1, 2):
-            pl = plan_for(zero_for_stage(inp, lower))
-            if _fits(pl, min_headroom):
-                faster = (pl.tokens_per_s or 0) >= 1.05 * (plan.tokens_per_s or 0)
-                add("ZP301", "warning" if faster else "info",
-                    f"stage {lower} fits (peak {gb(pl.memory.peak)} of {gb(gpu_mem)}) with "
-                    f"{pl.tokens_per_s or 0:,.0f} tokens/s vs stage 3's {plan.tokens_per_s or 0:,.0f}: stage 3 "
-                    "adds parameter all-gathers every micro-step", f"{z}.stage", stage)
-                break
-    if plan.offload_optimizer != "none" or plan.offload_param != "none":
-        from zeroplan.specs.deepspeed_config import OffloadOptimizerConfig, OffloadParamConfig
-
-        p0 = plan_for(zero.model_copy(update={"offload_optimizer": OffloadOptimizerConfig(),
-                                              "offload_param": OffloadParamConfig()}))
-        if _fits(p0, min_headroom):
-            add("ZP302", "warning",
-                f"ZeRO-{stage} fits without offload (peak {gb(p0.memory.peak)} of {gb(gpu_mem)}, "
-                f"{p0.tokens_per_s or 0:,.0f} vs {plan.tokens_per_s or 0:,.0f} tokens/s with offload): offload "
-                f"moves {gb(sum(x.bytes_per_step for x in plan.comm.pcie))} over PCIe per GPU per step and "
-                f"{gb(mem.host.per_node_bytes)} of host RAM per node for nothing",
-                f"{z}.offload_optimizer" if plan.offload_optimizer != "none" else f"{z}.offload_param")
+    ctx = AdviceContext(inp=inp, zero=inp.zero(ds.zero.stage), training=inp.training, comm_model=comm_model,
+                        mfu=mfu, min_headroom=min_headroom)
+    plan = ctx.plan()
+    gpu = f"{hw.gpu.name} ({Quantity(value=int(plan.gpu_memory_bytes or 0), unit='bytes_gib').text()})"
+    _capacity_rules(ctx, plan, add, gpu)
+    _comm_rules(ctx, plan, add, max_comm_share)
+    _stage_rules(ctx, plan, add)
 
     level = SEVERITY_ORDER[fail_on]
     verdict = "fail" if any(SEVERITY_ORDER[f.severity] >= level for f in findings) else "pass"
     rules = [r for r in CHECK_RULES if r != "ZP000"] + list(DS_RULES)
-    return ConfigCheck(path=path, verdict=verdict, findings=findings, rules=rules, plan=_summary(plan, training))
+    return ConfigCheck(path=path, verdict=verdict, findings=findings, rules=rules, plan=_summary(plan, inp.training))
 
 
 def run_check(patterns: list[str], *, fail_on: str = "error", **opts: Any) -> CheckReport:
     """Check every config matched by ``patterns``. ``opts``: check_config's keyword arguments."""
-    from zeroplan.specs.deepspeed_config import RULES as DS_RULES
-
     if fail_on not in ("error", "warning", "info"):
         raise InputError(f"--fail-on {fail_on!r} is unknown; expected error or warning")
     mcs = opts.get("max_comm_share", 0.5)
@@ -373,7 +423,7 @@ def run_check(patterns: list[str], *, fail_on: str = "error", **opts: Any) -> Ch
         raise InputError(f"--min-headroom {mh} must be in [0, 1)")
     if opts.get("comm_model", "deepspeed") not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {opts['comm_model']!r} is unknown; expected deepspeed or paper")
-    if not (0 < opts.get("mfu", 0.4) <= 1):
+    if opts.get("mfu") is not None and not (0 < opts["mfu"] <= 1):
         raise InputError(f"--mfu {opts['mfu']} must be in (0, 1]")
     if not opts.get("hardware"):
         raise InputError("check needs --hardware (a profile name from `zeroplan profiles list` or a TOML path): "

@@ -61,7 +61,13 @@ from zeroplan.core.memory import memory_for_stage
 from zeroplan.core.inputs import PlanInputs, zero_for_stage
 from zeroplan.core.plan import ClusterSummary, ModelSummary, Plan, evaluate, model_summary, training_summary
 from zeroplan.core.timing import estimate_time
-from zeroplan.report.render import gb, seconds
+from zeroplan.advice.alternatives import AdviceContext, comm_remedies, is_ethernet
+from zeroplan.advice.reasons import (
+    Alternative, Quantity, Reason, join_reasons, qbytes, qcount, qelements, qfraction, qseconds, qtokens, reason,
+)
+
+_B, _S, _F, _T, _N, _E = qbytes, qseconds, qfraction, qtokens, qcount, qelements
+_joined = join_reasons
 
 __all__ = [
     "Candidate",
@@ -97,12 +103,6 @@ _OFFLOAD_COMBOS = {
     3: [("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "none"), ("nvme", "cpu"), ("nvme", "nvme")],
 }
 _DEV_RANK = {"none": 0, "cpu": 1, "nvme": 2}
-
-
-def is_ethernet(link: Any) -> bool:
-    """True when an inter-node LinkSpec is Ethernet/TCP (100GbE, RoCE, TCPX) rather than IB/EFA."""
-    name = str(getattr(link, "name", "")).lower()
-    return any(w in name for w in ("gbe", "ethernet", "tcp", "socket", "roce"))
 
 
 class Candidate(BaseModel):
@@ -162,7 +162,7 @@ class Recommendation(BaseModel):
     cluster: ClusterSummary
     training: dict[str, Any]
     comm_model: str
-    mfu: float
+    mfu: float | None  # None: the compute model (core/compute.py)
     headroom: float
     usable_gpu_bytes: int
     usable_host_bytes_per_node: int
@@ -173,8 +173,11 @@ class Recommendation(BaseModel):
     plan: Plan | None = None  # evaluate() of the chosen configuration
     alternatives: list[Candidate] = Field(default_factory=list)
     stages: list[StageSummary] = Field(default_factory=list)
-    explanation: list[str] = Field(default_factory=list)
-    warnings: list[str] = Field(default_factory=list)
+    explanation: list[str] = Field(default_factory=list)  # explanation_reasons as text
+    warnings: list[str] = Field(default_factory=list)  # warning_reasons as text
+    explanation_reasons: list[Reason] = Field(default_factory=list)
+    warning_reasons: list[Reason] = Field(default_factory=list)
+    suggestions: list[Alternative] = Field(default_factory=list)  # every alternative the advice evaluated
     nodes_needed: dict[str, int | None] = Field(default_factory=dict)  # "ZeRO-3" -> nodes (None: never)
     assumptions: list[str] = Field(default_factory=list)
     ds_config: dict[str, Any] | None = None  # the chosen DeepSpeed config (build_ds_config)
@@ -338,7 +341,7 @@ class _Family:
 
 
 class _Sweep:
-    def __init__(self, inp: Any, *, comm_model: str, mfu: float, base_zeros: dict[int, Any]):
+    def __init__(self, inp: Any, *, comm_model: str, mfu: float | None, base_zeros: dict[int, Any]):
         self.inp = inp
         self.hw = inp.hardware
         self.spec = inp.spec
@@ -431,7 +434,7 @@ class _Sweep:
 
     def time(self, ledger: Any, mb: int, ckpt: str) -> Any:
         return estimate_time(ledger, self.training(mb, ckpt), self.hw, active_params=self.spec.active_params,
-                             n_gpus=self.n, gpus_per_node=self.gpn, mfu=self.mfu)
+                             n_gpus=self.n, gpus_per_node=self.gpn, mfu=self.mfu, model=self.spec)
 
 
 def _pow2_up_to(cap: int) -> list[int]:
@@ -441,12 +444,6 @@ def _pow2_up_to(cap: int) -> list[int]:
         out.append(m)
         m *= 2
     return out
-
-
-def _fmt_elems(n: int | None) -> str:
-    if n is None:
-        return "—"
-    return f"{n:.0e}".replace("e+0", "e").replace("e+", "e")
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,7 +520,7 @@ def recommend(
     *,
     headroom: float = 0.10,
     comm_model: str = "deepspeed",
-    mfu: float = 0.4,
+    mfu: float | None = None,
     max_micro_batch: int | None = None,
     micro_batch: int | None = None,
     checkpointing: str | None = None,
@@ -548,7 +545,7 @@ def recommend(
         raise InputError(f"--headroom {headroom} must be in [0, 1): the fraction of GPU memory and host RAM kept free")
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
-    if not (0 < mfu <= 1):
+    if mfu is not None and not (0 < mfu <= 1):
         raise InputError(f"--mfu {mfu} must be in (0, 1]")
     if max_micro_batch is not None and max_micro_batch < 1:
         raise InputError(f"--max-micro-batch {max_micro_batch} must be a positive integer")
@@ -686,11 +683,12 @@ def recommend(
         summaries.append(StageSummary(
             stage=s, fits=bool(stage_fit), fits_without_offload=any(not c.offload for c in stage_fit),
             best=max(stage_fit, key=lambda c: c.tokens_per_s) if stage_fit else None,
-            leanest=lc, leanest_dominant=f"{dom} ({gb(dom_bytes)})", leanest_reason=lmem.peak_reason,
+            leanest=lc, leanest_dominant=f"{dom} ({_B(dom_bytes).text()})", leanest_reason=lmem.peak_reason,
         ))
 
     # ---- the chosen plan, by evaluate() ----
     plan = None
+    ctx: AdviceContext | None = None
     ds_cfg = None
     diff = None
     if chosen is not None:
@@ -698,6 +696,8 @@ def recommend(
                               offload_param=chosen.offload_param, reduce_bucket_size=chosen.reduce_bucket_size,
                               prefetch_bucket_size=chosen.prefetch_bucket_size,
                               hpz_partition_size=chosen.hpz_partition_size)
+        ctx = AdviceContext(inp=inp, zero=zero, training=sw.training(chosen.micro_batch, chosen.checkpointing),
+                            comm_model=comm_model, mfu=mfu, min_headroom=headroom)
         plan = evaluate(model=inp.spec, training=sw.training(chosen.micro_batch, chosen.checkpointing), zero=zero,
                         n_gpus=inp.n_gpus, gpus_per_node=inp.gpus_per_node, hardware=hw, comm_model=comm_model,
                         mfu=mfu)
@@ -725,7 +725,14 @@ def recommend(
         for s in [x for x in (3, 2, 1) if x in stages]:
             rec.nodes_needed[f"ZeRO-{s}"] = _nodes_needed(
                 inp, base_zeros, s, usable_gpu=usable_gpu, usable_host=usable_host, min_mb=min_mb, comm_model=comm_model)
-    _explain(rec, inp, hw, micro_batch_fixed=micro_batch, ckpts=ckpts)
+    lean_zero = None
+    if chosen is None:
+        top_s = max(stages)
+        lean_zero = candidate_zero(base_zeros[top_s], offload_optimizer="none", offload_param="none",
+                                   reduce_bucket_size=BUCKET_SIZES[0],
+                                   prefetch_bucket_size=min(PREFETCH_SMALL, base_zeros[top_s].prefetch_bucket_size)
+                                   if top_s == 3 else None)
+    _explain(rec, inp, hw, micro_batch_fixed=micro_batch, ckpts=ckpts, ctx=ctx, lean_zero=lean_zero)
     return rec
 
 
@@ -735,118 +742,179 @@ def _jsonable(v: Any) -> Any:
     return None if v is ABSENT else v
 
 
-def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int | None, ckpts: list[str]) -> None:
-    gpu = f"{gb(rec.usable_gpu_bytes)} usable on the {gb(rec.cluster.gpu_memory_bytes)} {hw.gpu.name}"
-    if rec.headroom:
-        gpu += f" ({rec.headroom:.0%} kept free)"
+def _explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int | None, ckpts: list[str],
+             ctx: AdviceContext | None = None, lean_zero: Any = None) -> None:
+    """Fill ``rec.explanation_reasons`` / ``rec.warning_reasons`` (and their texts): every sentence is
+    built from numbers of the sweep or of an evaluated alternative (``rec.suggestions``)."""
+    gpu_r = reason("{usable} usable on the {cap} {gpu}" + (" ({free} kept free)" if rec.headroom else ""),
+                   usable=_B(rec.usable_gpu_bytes), cap=_B(rec.cluster.gpu_memory_bytes or 0), gpu=hw.gpu.name,
+                   free=_F(rec.headroom))
+    gpu = gpu_r.text()
     c = rec.chosen
-    ex = rec.explanation
-    warn = rec.warnings
+    ex = rec.explanation_reasons
+    warn = rec.warning_reasons
     by_stage = {s.stage: s for s in rec.stages}
     if c is not None:
-        ex.append(
-            f"Recommended: {c.label()}, micro-batch {c.micro_batch}, checkpointing {c.checkpointing}, "
-            f"reduce_bucket_size {_fmt_elems(c.reduce_bucket_size)}"
-            + (f", stage3_prefetch_bucket_size {_fmt_elems(c.prefetch_bucket_size)}" if c.stage == 3 else "")
-            + (f", hpZ {c.hpz_partition_size}" if c.hpz_partition_size > 1 else "")
-            + f": peak {gb(c.peak_bytes)} per GPU ({gb(c.headroom_bytes)} free of {gb(c.gpu_memory_bytes)}), "
-            f"{c.tokens_per_s:,.0f} tokens/s on {rec.cluster.n_gpus} GPUs."
-        )
-    # why the lower stages (or no-offload) do not fit
+        ex.append(reason(
+            "Recommended: {label}, micro-batch {mb}, checkpointing {ckpt}, reduce_bucket_size {rbs}"
+            + (", stage3_prefetch_bucket_size {pf}" if c.stage == 3 else "")
+            + (", hpZ {hpz}" if c.hpz_partition_size > 1 else "")
+            + ": peak {peak} per GPU ({free} free of {cap}), {tps} on {n} GPUs.",
+            label=c.label(), mb=_N(c.micro_batch), ckpt=c.checkpointing, rbs=_E(c.reduce_bucket_size),
+            pf=_E(c.prefetch_bucket_size or 0), hpz=_N(c.hpz_partition_size), peak=_B(c.peak_bytes),
+            free=_B(c.headroom_bytes), cap=_B(c.gpu_memory_bytes), tps=_T(c.tokens_per_s), n=_N(rec.cluster.n_gpus)))
+    _explain_stages(rec, ex, gpu)
+    if c is not None and c.offload:
+        non = [a for a in rec.alternatives if not a.offload]
+        if not non:
+            ex.append(reason("Offload is recommended because no configuration without offload fits."))
+        else:
+            ex.append(reason("Offload is recommended because the best configuration without it ({label}, {tps}) "
+                             "reaches less than {ratio} of {ctps}.", label=non[0].label(), tps=_T(non[0].tokens_per_s),
+                             ratio=_F(OFFLOAD_RATIO), ctps=_T(c.tokens_per_s)))
+    elif c is not None:
+        fit_off = [a for a in rec.alternatives if a.offload]
+        if fit_off:
+            ex.append(reason("No offload: the best offload configuration ({label}) reaches {tps}; offload is used "
+                             "only when nothing without it reaches {ratio} of that.", label=fit_off[0].label(),
+                             tps=_T(fit_off[0].tokens_per_s), ratio=_F(OFFLOAD_RATIO)))
+    # communication on this hardware
+    p = rec.plan
+    if c is not None and p is not None and p.time is not None:
+        t = p.time
+        where = ("{inter} of it across nodes over {link}" if rec.cluster.nodes > 1 else "inside one node over {link}")
+        ex.append(reason(
+            "Communication on {hw}: ZeRO-{s} sends {sent} per GPU per optimizer step (" + where + "); {comm} of "
+            "collectives ({algos}), {exposed} exposed after overlap (bracket {best}–{worst}; {hidden} hidden behind "
+            "compute, which slows it by {slowdown}), {share} of the {step} step. Compute {compute} at MFU {mfu} "
+            "({terms})"
+            + ("; offload: PCIe copies {pcie}" if t.pcie_time_s else "")
+            + (", CPU optimizer step {cpu_opt}" if t.cpu_optimizer_time_s else "")
+            + (", NVMe swap {nvme}" if t.nvme_time_s else "") + ".",
+            hw=hw.name, s=_N(c.stage), sent=_B(p.comm.bytes_per_gpu_per_step),
+            inter=_B(p.comm.inter_node_bytes_per_gpu_per_step),
+            link=hw.inter_node.name if rec.cluster.nodes > 1 else hw.intra_node.name, comm=_S(t.comm_time_s),
+            algos=_algos(t), exposed=_S(t.exposed_time_s["estimate"]), best=_S(t.exposed_time_s["best"]),
+            worst=_S(t.exposed_time_s["worst"]), hidden=_S(t.hidden_comm_s), slowdown=_S(t.overlap_slowdown_s),
+            share=_F(t.comm_share), step=_S(t.step_time_s), compute=_S(t.compute_time_s), mfu=_F(t.mfu),
+            terms=_compute_terms(t), pcie=_S(t.pcie_time_s or 0.0), cpu_opt=_S(t.cpu_optimizer_time_s or 0.0),
+            nvme=_S(t.nvme_time_s or 0.0)))
+        if c.stage == 3 and rec.cluster.nodes > 1 and is_ethernet(hw.inter_node):
+            warn.append(reason(
+                "ZeRO-3 across {nodes} nodes over Ethernet ({link}, {bw} per GPU): parameter all-gathers in forward "
+                "and backward cross the slow link every micro-step; " +
+                ("it is communication-bound ({share} of the step is exposed communication)." if t.comm_share > 0.5
+                 else "{share} of the step is exposed communication."),
+                nodes=_N(rec.cluster.nodes), link=hw.inter_node.name,
+                bw=Quantity(value=hw.inter_node.bandwidth_GBps_per_gpu, unit="GB/s"), share=_F(t.comm_share)))
+        if t.comm_share > 0.5 and ctx is not None:
+            rem = comm_remedies(ctx)
+            rec.suggestions.extend(a for a, _ in rem)
+            head = reason("Communication-bound: exposed communication is {share} of the step.", share=_F(t.comm_share))
+            tail = _joined([r for _, r in rem], "; ")
+            tail = tail.model_copy(update={"template": tail.template[:1].upper() + tail.template[1:] + "."})
+            warn.append(_joined([head, tail], " "))
+    # ZeRO-3 communication-bound where it is the only option
+    s3 = by_stage.get(3)
+    if c is not None and c.stage < 3 and s3 is not None and s3.best is not None and s3.best.comm_share is not None \
+            and s3.best.comm_share > 0.5:
+        ex.append(reason("ZeRO-3 would be communication-bound here ({share} of its step is exposed communication).",
+                         share=_F(s3.best.comm_share)))
+    if c is None:
+        _explain_nothing_fits(rec, inp, hw, micro_batch_fixed=micro_batch_fixed, ckpts=ckpts, lean_zero=lean_zero)
+    rec.explanation = [r.text() for r in rec.explanation_reasons]
+    rec.warnings = [r.text() for r in rec.warning_reasons]
+
+
+def _explain_stages(rec: Recommendation, ex: list[Reason], gpu: str) -> None:
+    """Why the lower stages (or no offload) were not chosen, and higher stages within the noise."""
+    c = rec.chosen
+    by_stage = {s.stage: s for s in rec.stages}
     upto = c.stage if c is not None else 4
     for s in sorted(by_stage):
         ss = by_stage[s]
         if s > upto:
             continue
         ln = ss.leanest
-        lean_desc = (f"micro-batch {ln.micro_batch}, checkpointing {ln.checkpointing}, "
-                     f"reduce_bucket_size {_fmt_elems(ln.reduce_bucket_size)}, no offload")
         if not ss.fits_without_offload and (s < upto or c is None or c.offload):
             if ln.limit == "host":
-                ex.append(f"ZeRO-{s} without offload does not fit: host RAM per node {gb(ln.host_per_node_bytes)} "
-                          f"exceeds {gb(rec.usable_host_bytes_per_node)} usable.")
+                ex.append(reason("ZeRO-{s} without offload does not fit: host RAM per node {host} exceeds {usable} usable.",
+                                 s=_N(s), host=_B(ln.host_per_node_bytes), usable=_B(rec.usable_host_bytes_per_node)))
             else:
-                over = ln.peak_bytes - rec.usable_gpu_bytes
-                ex.append(
-                    f"ZeRO-{s} does not fit without offload: even at its leanest ({lean_desc}) it needs "
-                    f"{gb(ln.peak_bytes)} per GPU, {gb(over)} over the {gpu}; the largest part is {ss.leanest_dominant}."
-                )
+                ex.append(reason(
+                    "ZeRO-{s} does not fit without offload: even at its leanest (micro-batch {mb}, checkpointing "
+                    "{ckpt}, reduce_bucket_size {rbs}, no offload) it needs {peak} per GPU, {over} over the {gpu}; "
+                    "the largest part is {dom}.", s=_N(s), mb=_N(ln.micro_batch), ckpt=ln.checkpointing,
+                    rbs=_E(ln.reduce_bucket_size), peak=_B(ln.peak_bytes), over=_B(ln.peak_bytes - rec.usable_gpu_bytes),
+                    gpu=gpu, dom=ss.leanest_dominant))
             if ss.fits and ss.best is not None and (c is None or s < upto):
                 b = ss.best
-                ex.append(f"  With offload ({b.offload_label()}) ZeRO-{s} fits "
-                          f"(peak {gb(b.peak_bytes)}, host RAM {gb(b.host_per_node_bytes)} per node) but reaches "
-                          f"{b.tokens_per_s:,.0f} tokens/s.")
+                ex.append(reason("  With offload ({off}) ZeRO-{s} fits (peak {peak}, host RAM {host} per node) but "
+                                 "reaches {tps}.", off=b.offload_label(), s=_N(s), peak=_B(b.peak_bytes),
+                                 host=_B(b.host_per_node_bytes), tps=_T(b.tokens_per_s)))
         elif s < upto and ss.best is not None and c is not None:
             b = ss.best
-            ex.append(
-                f"ZeRO-{s} fits (best: {b.label()}, micro-batch {b.micro_batch}, {b.tokens_per_s:,.0f} tokens/s) but is "
-                f"{'slower' if b.tokens_per_s < c.tokens_per_s else 'not faster'} than the choice by "
-                f"{abs(1 - b.tokens_per_s / c.tokens_per_s):.0%}"
-                + (" (within the 5% noise band the lower stage would have been preferred)." if b.tokens_per_s >= (1 - NOISE) * c.tokens_per_s else ".")
-            )
+            ex.append(reason(
+                "ZeRO-{s} fits (best: {label}, micro-batch {mb}, {tps}) but is "
+                + ("slower" if b.tokens_per_s < c.tokens_per_s else "not faster") + " than the choice by {gap}"
+                + (" (within the {noise} noise band the lower stage would have been preferred)."
+                   if b.tokens_per_s >= (1 - NOISE) * c.tokens_per_s else "."),
+                s=_N(s), label=b.label(), mb=_N(b.micro_batch), tps=_T(b.tokens_per_s),
+                gap=_F(abs(1 - b.tokens_per_s / c.tokens_per_s)), noise=_F(NOISE)))
     for s in sorted(by_stage):
         ss = by_stage[s]
         if c is not None and s > c.stage and ss.best is not None and ss.best.tokens_per_s > c.tokens_per_s:
             b = ss.best
-            ex.append(f"ZeRO-{s} ({b.label()}, micro-batch {b.micro_batch}) would reach {b.tokens_per_s:,.0f} tokens/s, "
-                      f"{b.tokens_per_s / c.tokens_per_s - 1:.1%} more: within the {NOISE:.0%} noise of the model, "
-                      f"so the lower stage is preferred (less communication, fewer moving parts).")
-    if c is not None and c.offload:
-        non = [a for a in rec.alternatives if not a.offload]
-        if not non:
-            ex.append("Offload is recommended because no configuration without offload fits.")
+            ex.append(reason("ZeRO-{s} ({label}, micro-batch {mb}) would reach {tps}, {more} more: within the {noise} "
+                             "noise of the model, so the lower stage is preferred (less communication, fewer moving "
+                             "parts).", s=_N(s), label=b.label(), mb=_N(b.micro_batch), tps=_T(b.tokens_per_s),
+                             more=_F(b.tokens_per_s / c.tokens_per_s - 1, 1), noise=_F(NOISE)))
+
+
+def _explain_nothing_fits(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int | None,
+                          ckpts: list[str], lean_zero: Any) -> None:
+    ex = rec.explanation_reasons
+    ex.append(reason("Nothing fits on {n} GPUs ({nodes} node(s) of {hw}) with {headroom} headroom.",
+                     n=_N(rec.cluster.n_gpus), nodes=_N(rec.cluster.nodes), hw=hw.name, headroom=_F(rec.headroom)))
+    mb_lean = rec.stages[0].leanest.micro_batch if rec.stages else 1
+    for k, v in rec.nodes_needed.items():
+        if v is not None:
+            ex.append(reason("  {k} without offload (micro-batch {mb}, full checkpointing) fits on {v} nodes ({g} GPUs).",
+                             k=k, mb=_N(mb_lean), v=_N(v), g=_N(v * rec.cluster.gpus_per_node)))
         else:
-            ex.append(f"Offload is recommended because the best configuration without it ({non[0].label()}, "
-                      f"{non[0].tokens_per_s:,.0f} tokens/s) reaches less than {OFFLOAD_RATIO:.0%} of "
-                      f"{c.tokens_per_s:,.0f} tokens/s.")
-    elif c is not None:
-        fit_off = [a for a in rec.alternatives if a.offload]
-        if fit_off:
-            ex.append(f"No offload: the best offload configuration ({fit_off[0].label()}) reaches "
-                      f"{fit_off[0].tokens_per_s:,.0f} tokens/s; offload is used only when nothing without it "
-                      f"reaches {OFFLOAD_RATIO:.0%} of that.")
-    # communication on this hardware
-    p = rec.plan
-    if c is not None and p is not None and p.time is not None:
-        t = p.time
-        inter = p.comm.inter_node_bytes_per_gpu_per_step
-        ex.append(
-            f"Communication on {hw.name}: ZeRO-{c.stage} sends {gb(p.comm.bytes_per_gpu_per_step)} per GPU per "
-            f"optimizer step" + (f" ({gb(inter)} of it across nodes over {hw.inter_node.name})" if rec.cluster.nodes > 1 else
-                                 f" inside one node over {hw.intra_node.name}")
-            + f"; {seconds(t.comm_time_s)} of collectives, {seconds(t.exposed_time_s['best'])}–"
-            f"{seconds(t.exposed_time_s['worst'])} exposed, {t.comm_share:.0%} of the {seconds(t.step_time_s)} step "
-            f"(compute {seconds(t.compute_time_s)}" + (f", offload PCIe {seconds(t.pcie_time_s)}" if t.pcie_time_s else "")
-            + ")."
-        )
-        if c.stage == 3 and rec.cluster.nodes > 1 and is_ethernet(hw.inter_node):
-            warn.append(f"ZeRO-3 across {rec.cluster.nodes} nodes over Ethernet ({hw.inter_node.name}, "
-                        f"{hw.inter_node.bandwidth_GBps_per_gpu:g} GB/s per GPU): parameter all-gathers in forward and "
-                        f"backward cross the slow link every micro-step; expect it to be communication-bound.")
-        if t.comm_share > 0.5:
-            warn.append(f"Communication-bound: exposed communication is {t.comm_share:.0%} of the step. "
-                        "A larger micro-batch or gradient accumulation amortises it; a faster inter-node link removes it.")
-    # ZeRO-3 communication-bound where it is the only option
-    s3 = by_stage.get(3)
-    if c is not None and c.stage < 3 and s3 is not None and s3.best is not None and s3.best.comm_share is not None \
-            and s3.best.comm_share > 0.5:
-        ex.append(f"ZeRO-3 would be communication-bound here ({s3.best.comm_share:.0%} of its step is exposed communication).")
-    # nothing fits
-    if c is None:
-        ex.append(f"Nothing fits on {rec.cluster.n_gpus} GPUs ({rec.cluster.nodes} node(s) of {hw.name}) with "
-                  f"{rec.headroom:.0%} headroom.")
-        for k, v in rec.nodes_needed.items():
-            if v is not None:
-                ex.append(f"  {k} without offload (micro-batch {rec.stages[0].leanest.micro_batch if rec.stages else 1}, "
-                          f"full checkpointing) fits on {v} nodes ({v * rec.cluster.gpus_per_node} GPUs).")
-            else:
-                ex.append(f"  {k} without offload does not fit on any number of nodes up to 16384: its replicated "
-                          "states do not shrink with more GPUs.")
-        s_off = [s for s in rec.stages if s.leanest.limit == "host"]
-        for s in s_off:
-            ex.append(f"  ZeRO-{s.stage}: host RAM is the limit ({gb(s.leanest.host_per_node_bytes)} per node).")
+            ex.append(reason("  {k} without offload does not fit on any number of nodes up to 16384: its replicated "
+                             "states do not shrink with more GPUs.", k=k))
+    for s in [s for s in rec.stages if s.leanest.limit == "host"]:
+        ex.append(reason("  ZeRO-{s}: host RAM is the limit ({host} per node).", s=_N(s.stage),
+                         host=_B(s.leanest.host_per_node_bytes)))
+    if lean_zero is not None:
+        # evaluated: the highest searched stage, no offload, with full checkpointing / micro-batch 1
+        ctx = AdviceContext(inp=inp, zero=lean_zero, training=inp.training.model_copy(update={
+            "micro_batch": micro_batch_fixed or 1, "checkpointing": ckpts[-1]}), min_headroom=rec.headroom)
+        s = int(lean_zero.stage)
         if "full" not in ckpts:
-            ex.append("  Try activation checkpointing (--checkpointing full) to cut activations to the layer inputs.")
+            a = ctx.try_change({"checkpointing": "full"}, "peak_bytes", "lower")
+            rec.suggestions.append(a)
+            ex.append(reason("  With --checkpointing full, ZeRO-{s} at micro-batch {mb} peaks at {after} per GPU ("
+                             + ("fits" if a.fits else "still over") + ").", s=_N(s), mb=_N(micro_batch_fixed or 1),
+                             after=_B(a.after_peak_bytes)))
         if micro_batch_fixed and micro_batch_fixed > 1:
-            ex.append(f"  Try a smaller micro-batch than {micro_batch_fixed} (and more gradient accumulation).")
-        ex.append("  Offload (CPU/NVMe) was searched too; see the host-RAM and NVMe limits above, or add nodes.")
+            a = ctx.try_change({"micro_batch": 1}, "peak_bytes", "lower")
+            rec.suggestions.append(a)
+            ex.append(reason("  With micro-batch 1 (and more gradient accumulation) instead of {mb}, ZeRO-{s} peaks at "
+                             "{after} per GPU (" + ("fits" if a.fits else "still over") + ").",
+                             mb=_N(micro_batch_fixed), s=_N(s), after=_B(a.after_peak_bytes)))
+    ex.append(reason("  Offload (CPU/NVMe) was searched too; see the host-RAM and NVMe limits above, or add nodes."))
+
+
+def _algos(t: Any) -> str:
+    """NCCL algorithm/protocol the model picks for the largest call of each collective."""
+    return ", ".join(f"{op} {a}" for op, a in sorted(t.algorithms.items())) or "none"
+
+
+def _compute_terms(t: Any) -> str:
+    c = t.compute
+    if c is None or c.gemm_fraction is None:
+        return t.mfu_source
+    return (f"{c.generation}: matmuls at {c.gemm_fraction:.2f} of peak × shape {c.shape_factor:.2f}, attention "
+            f"{c.attention_share:.0%} of the FLOPs at {c.attention_fraction:.2f}")

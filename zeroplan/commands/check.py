@@ -74,7 +74,7 @@ def register(app: typer.Typer) -> None:
         max_comm_share: float = typer.Option(0.5, "--max-comm-share", help="ZP201: warn when exposed communication exceeds this share of the step."),
         min_headroom: float = typer.Option(0.10, "--min-headroom", help="ZP103: warn when free GPU memory is under this fraction."),
         comm_model: str = COMM_OPT,
-        mfu: float = MFU_OPT,
+        mfu: Optional[float] = MFU_OPT,
         output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report to this file (atomically); stdout gets a one-line verdict."),
     ) -> None:
         """Gate DeepSpeed configs in CI: OOM, host RAM, NVMe, communication and stage/offload rules.

@@ -28,7 +28,7 @@ OFFOPT_OPT = typer.Option(None, "--offload-optimizer", help="Offload optimizer s
 OFFPAR_OPT = typer.Option(None, "--offload-param", help="Offload parameters: none, cpu or nvme (stage 3).")
 STAGE_OPT = typer.Option(None, "--stage", help="Evaluate one ZeRO stage (0–3). Default: all four, or the --ds-config's stage.")
 COMM_OPT = typer.Option("deepspeed", "--comm-model", help="deepspeed: what DeepSpeed actually issues; paper: the ZeRO paper's 2Ψ/2Ψ/3Ψ.")
-MFU_OPT = typer.Option(0.4, "--mfu", help="Model FLOPs utilisation assumed for compute time (0–1).")
+MFU_OPT = typer.Option(None, "--mfu", help="Override the compute model with a fixed model FLOPs utilisation (0–1). Default: the compute model (FLOPs from the architecture at a rate by GPU generation and shape).")
 JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
 STRICT_OPT = typer.Option(False, "--strict", help="Treat DeepSpeed config problems (unknown keys, wrong types) as errors (exit 2).")
 
@@ -40,10 +40,10 @@ def run_estimate(**kw):
     from zeroplan.core.plan import ClusterSummary, EstimateResult, evaluate, model_summary, training_summary
 
     comm_model = kw.pop("comm_model", "deepspeed")
-    mfu = kw.pop("mfu", 0.4)
+    mfu = kw.pop("mfu", None)
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
-    if not (0 < mfu <= 1):
+    if mfu is not None and not (0 < mfu <= 1):
         raise InputError(f"--mfu {mfu} must be in (0, 1]")
     inp = build_plan_inputs(**kw)
     plans = [
@@ -89,7 +89,7 @@ def register(app: typer.Typer) -> None:
         offload_param: Optional[str] = OFFPAR_OPT,
         stage: Optional[int] = STAGE_OPT,
         comm_model: str = COMM_OPT,
-        mfu: float = MFU_OPT,
+        mfu: Optional[float] = MFU_OPT,
         strict: bool = STRICT_OPT,
         json_out: bool = JSON_OPT,
     ) -> None:

@@ -29,7 +29,7 @@ from zeroplan.commands.estimate import (
 __all__ = ["register", "run_recommend", "render_recommendation"]
 
 
-def run_recommend(*, headroom: float = 0.10, comm_model: str = "deepspeed", mfu: float = 0.4,
+def run_recommend(*, headroom: float = 0.10, comm_model: str = "deepspeed", mfu: float | None = None,
                   max_micro_batch: Optional[int] = None, checkpointing: Optional[str] = None,
                   stages: Optional[list[int]] = None, allow_nvme: bool = True, top: int = 8,
                   progress: Any = None, **kw: Any):
@@ -137,7 +137,7 @@ def register(app: typer.Typer) -> None:
         nvme: bool = typer.Option(True, "--nvme/--no-nvme", help="Consider NVMe offload."),
         top: int = typer.Option(8, "--top", help="Alternatives shown."),
         comm_model: str = COMM_OPT,
-        mfu: float = MFU_OPT,
+        mfu: Optional[float] = MFU_OPT,
         strict: bool = STRICT_OPT,
         emit_config: Optional[str] = typer.Option(None, "--emit-config", help="Write the chosen DeepSpeed config (JSON) to this path (atomically)."),
         json_out: bool = JSON_OPT,

@@ -18,7 +18,11 @@ The report data (what ``--json`` prints and what the HTML is rendered from) is o
 - ``time_sweep`` (null without a hardware profile): ``gpus_per_node``, ``nodes`` (1, 2, 4, …
   max_nodes), ``gpus``, ``series``: per stage ``stage``, ``label``, ``step_time_s``,
   ``step_time_best_s``, ``step_time_worst_s``, ``compute_time_s``, ``comm_share``,
-  ``tokens_per_s`` (one per entry of ``nodes``).
+  ``tokens_per_s`` (one per entry of ``nodes``);
+- ``recommendation`` (null without a hardware profile): what ``zeroplan recommend`` chooses for
+  the same inputs: ``chosen`` (its Candidate with a ``label``, or null when nothing fits),
+  ``explanation``, ``warnings`` (sentences) and ``explanation_reasons``, ``warning_reasons`` (the
+  same as templates with their quantities and units).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def powers_of_two(limit: int) -> list[int]:
 
 
 def _plan_summary(p: Any) -> dict[str, Any]:
-    from zeroplan.report.charts import memory_at_peak, stage_label
+    from zeroplan.report.charts import memory_at_peak, stage_label, time_parts
 
     m = p.memory
     t = p.time
@@ -70,12 +74,20 @@ def _plan_summary(p: Any) -> dict[str, Any]:
         "peak_reason": m.peak_reason,
         "fits": p.fits,
         "headroom_bytes": p.headroom_bytes,
+        "host_memory_per_node": int(p.host_memory_per_node),
+        "host_ram_per_node_bytes": p.host_ram_per_node_bytes,
+        "host_fits": p.host_fits,
         "comm_bytes_per_gpu_per_step": int(p.comm.bytes_per_gpu_per_step),
         "time": None if t is None else {
             "compute_s": t.compute_time_s,
             "comm_s": t.comm_time_s,
             "exposed_best_s": t.exposed_time_s["best"],
             "exposed_worst_s": t.exposed_time_s["worst"],
+            "exposed_s": t.exposed_time_s.get("estimate", t.exposed_time_s["worst"]),
+            "pcie_s": t.pcie_time_s,
+            "cpu_optimizer_s": t.cpu_optimizer_time_s,
+            "nvme_s": t.nvme_time_s,
+            "parts": time_parts(t),
             "step_time_s": t.step_time_s,
             "step_time_best_s": t.step_time_best_s,
             "step_time_worst_s": t.step_time_worst_s,
@@ -91,7 +103,7 @@ def build_report_data(
     *,
     max_nodes: int = 64,
     comm_model: str = "deepspeed",
-    mfu: float = 0.4,
+    mfu: float | None = None,
     inputs: dict[str, Any] | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
@@ -146,6 +158,17 @@ def build_report_data(
             })
         time_sweep = {"gpus_per_node": gpn, "nodes": nodes, "gpus": [n * gpn for n in nodes], "series": t_series}
     notes = list(dict.fromkeys(n for p in result.stages for n in p.notes))
+    recommendation = None
+    if inp.hardware is not None:
+        from zeroplan.advice.recommend import recommend
+
+        rec = recommend(inp, comm_model=comm_model, mfu=mfu, micro_batch=(inputs or {}).get("micro_batch"))
+        recommendation = {
+            "chosen": None if rec.chosen is None else {"label": rec.chosen.label(), **rec.chosen.model_dump(mode="json")},
+            "explanation": list(rec.explanation), "warnings": list(rec.warnings),
+            "explanation_reasons": [r.model_dump(mode="json") for r in rec.explanation_reasons],
+            "warning_reasons": [r.model_dump(mode="json") for r in rec.warning_reasons],
+        }
     return {
         "model": result.model.model_dump(mode="json"),
         "cluster": result.cluster.model_dump(mode="json"),
@@ -159,6 +182,7 @@ def build_report_data(
         "plans": [_plan_summary(p) for p in result.stages],
         "memory_sweep": {"gpus_per_node": gpn, "gpus": gpus, "series": mem_series},
         "time_sweep": time_sweep,
+        "recommendation": recommendation,
     }
 
 
@@ -226,7 +250,7 @@ def register(app: typer.Typer) -> None:
         offload_param: Optional[str] = OFFPAR_OPT,
         stage: Optional[int] = STAGE_OPT,
         comm_model: str = COMM_OPT,
-        mfu: float = MFU_OPT,
+        mfu: Optional[float] = MFU_OPT,
         strict: bool = STRICT_OPT,
         html: Optional[str] = typer.Option(None, "--html", help="Write a self-contained HTML report (inline SVG charts, no network) to this path."),
         svg: Optional[str] = typer.Option(None, "--svg", help="Write the per-GPU memory chart alone as an SVG file."),

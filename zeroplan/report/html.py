@@ -13,6 +13,7 @@ no URL at all); ``memory_chart_svg(data, standalone=True)`` is the file ``--svg`
 from __future__ import annotations
 
 import math
+import re
 from html import escape
 from typing import Any, Callable, Sequence
 
@@ -31,11 +32,20 @@ __all__ = [
 
 STAGE_COLORS = {0: "#e15759", 1: "#f28e2b", 2: "#4e79a7", 3: "#59a14f"}
 _FONT = "font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif"
-_MAX_CAPACITIES_ON_AXIS = 4.0  # as in the terminal chart: cut bars at 4× the GPU memory
+_MAX_CAPACITIES_ON_AXIS = 1.5  # the axis ends at 1.5× the GPU memory; longer bars are cut (see memory_chart_svg)
 
 
 def _e(s: Any) -> str:
     return escape(str(s), quote=True)
+
+
+_CODE = re.compile(r"`([^`\n]+)`")
+
+
+def _prose(s: Any) -> str:
+    """Escaped text whose `code` spans (the advice names modules in backticks, as in the terminal)
+    become <code> elements: no literal markdown in the page."""
+    return _CODE.sub(lambda m: f"<code>{m.group(1)}</code>", _e(s))
 
 
 def _gb(n: float | None, digits: int = 2) -> str:
@@ -159,23 +169,35 @@ def _legend(svg: _Svg, items: Sequence[tuple[str, str, str]], x0: float, y0: flo
 # ---------------------------------------------------------------- bar charts at the chosen cluster
 
 
+def _memory_axis_max(peaks: Sequence[float], capacity: float | None) -> float:
+    """The axis end (bytes): every peak when none is far past the GPU memory, else clipped at
+    ``_MAX_CAPACITIES_ON_AXIS`` × the GPU memory, rounded up to a tick."""
+    hi = max(list(peaks) + [capacity or 0]) or 1
+    if capacity:
+        hi = max(min(hi, _MAX_CAPACITIES_ON_AXIS * capacity), 1.15 * capacity)
+    return _linear_ticks(hi / GB)[-1] * GB
+
+
 def memory_chart_svg(data: dict[str, Any], width: int = 960, standalone: bool = False) -> str:
     """Stacked horizontal bars: per-GPU peak memory by category for each evaluated option,
     with the GPU capacity as a red line; the part of a bar beyond it is hatched.
+
+    The axis is linear (the bars are stacked: a log axis would misstate the share of each
+    category) and clipped at 1.5 × the GPU memory, so that the bars that fit or nearly fit keep
+    their resolution; a bar that goes past the end is cut with a break mark (//) and labelled
+    with its true value. Values sit in a column right of the plot, where no line can cross them;
+    an option that does not fit carries a red OOM badge there, and under offload its host RAM
+    per node against the node's.
 
     ``standalone``: an SVG file of its own (XML declaration and the SVG namespace, which an
     SVG file needs and HTML does not; the namespace is an identifier, nothing is fetched)."""
     plans = data["plans"]
     capacity = data["cluster"].get("gpu_memory_bytes")
-    peaks = [p["memory"]["peak"] for p in plans]
-    axis_max = max(peaks + [capacity or 0]) or 1
-    if capacity:
-        axis_max = max(min(axis_max, _MAX_CAPACITIES_ON_AXIS * capacity), 1.15 * capacity)
+    axis_max = _memory_axis_max([p["memory"]["peak"] for p in plans], capacity)
     ticks = _linear_ticks(axis_max / GB)
-    axis_max = ticks[-1] * GB
-    left, right, top, row_h, bar_h = 190, 250, 50, 46, 28
+    left, right, top, row_h, bar_h = 190, 290, 50, 50, 28
     plot_w = width - left - right
-    height = top + row_h * len(plans) + 60 + 70
+    height = top + row_h * len(plans) + 60 + 90
     svg = _Svg(width, height, "Per-GPU peak memory by category vs GPU memory", "chart-memory")
     svg.add('<defs><pattern id="hatch-over" width="6" height="6" patternUnits="userSpaceOnUse" '
             'patternTransform="rotate(45)"><rect width="6" height="6" fill="none"/>'
@@ -191,6 +213,10 @@ def memory_chart_svg(data: dict[str, Any], width: int = 960, standalone: bool = 
     svg.line(left, top - 6, left, bottom)
     svg.label(left + plot_w / 2, bottom + 40, "per-GPU memory at the peak phase, GB (1 GB = 10^9 bytes)",
               anchor="middle", size=13)
+    if any(p["memory"]["peak"] > axis_max for p in plans):
+        svg.label(left + plot_w / 2, bottom + 58, f"axis cut at {axis_max / GB:,.0f} GB: longer bars are broken (//) "
+                  "and labelled with their value", anchor="middle", size=12, fill="#555")
+    vx = left + plot_w + 14  # the value column
     for i, p in enumerate(plans):
         y = top + i * row_h + (row_h - bar_h) / 2
         svg.label(left - 10, y + bar_h / 2 + 5, p["label"], anchor="end", size=13, weight="bold")
@@ -200,24 +226,38 @@ def memory_chart_svg(data: dict[str, Any], width: int = 960, standalone: bool = 
             if v <= 0:
                 continue
             x0, x1 = sx(acc), sx(acc + v)
-            svg.rect(x0, y, x1 - x0, bar_h, cat.color, tip=f"{p['label']} {cat.label}: {_gb(v)}",
-                     extra=f' class="seg" data-category="{cat.key}"')
+            if x1 > x0:  # a segment wholly past the axis cut is not drawn (its value is in the table)
+                cut = ' data-clipped="1"' if acc + v > axis_max else ""  # drawn up to the axis cut only
+                svg.rect(x0, y, x1 - x0, bar_h, cat.color, tip=f"{p['label']} {cat.label}: {_gb(v)}",
+                         extra=f' class="seg" data-category="{cat.key}"{cut}')
             acc += v
         peak = p["memory"]["peak"]
-        if capacity and peak > capacity:
+        over = bool(capacity and peak > capacity)
+        if over:
             svg.rect(sx(capacity), y, sx(peak) - sx(capacity), bar_h, "url(#hatch-over)",
                      tip=f"{p['label']}: {_gb(peak - capacity)} over the GPU memory")
-        clipped = peak > axis_max * 1.0001
-        end = sx(peak)
-        if clipped:
-            svg.add(f'<path d="M{_num(end + 2)},{_num(y - 3)} l8,{_num(bar_h / 2 + 3)} l-8,{_num(bar_h / 2 + 3)} z" '
-                    f'fill="#b00000"/>')
-            end += 10
+        if peak > axis_max * 1.0001:  # break mark: two white slashes across the bar's end
+            xe = sx(axis_max)
+            for dx in (-16, -9):
+                svg.add(f'<path class="break" d="M{_num(xe + dx)},{_num(y + bar_h + 3)} l6,{-bar_h - 6}" '
+                        f'stroke="#ffffff" stroke-width="3.5" fill="none"/>')
+        host_over = p.get("host_fits") is False
+        tx = vx
+        if over or host_over:
+            svg.add(f'<g class="oom" data-stage="{p["stage"]}"><rect x="{_num(vx)}" y="{_num(y + 1)}" width="40" '
+                    f'height="16" rx="3" fill="#c00000"/><text x="{_num(vx + 20)}" y="{_num(y + 13)}" font-size="11" '
+                    f'font-weight="bold" text-anchor="middle" fill="#ffffff">OOM</text></g>')
+            tx += 46
         status = ""
         if capacity:
-            status = f", {_gb(peak - capacity, 1)} over" if peak > capacity else f", {_gb(capacity - peak, 1)} free"
-        svg.label(end + 6, y + bar_h / 2 + 5, f"{_gb(peak, 1)}{status}",
-                  size=12, fill="#b00000" if capacity and peak > capacity else "#222")
+            status = f", {_gb(peak - capacity, 1)} over" if over else f", {_gb(capacity - peak, 1)} free"
+        svg.label(tx, y + 13, f"{_gb(peak, 1)}{status}", size=12, fill="#b00000" if over else "#222")
+        host = p.get("host_memory_per_node") or 0
+        if host and (p["offload_optimizer"] != "none" or p["offload_param"] != "none"):
+            ram = p.get("host_ram_per_node_bytes")
+            txt = f"host RAM {_gb(host, 0)} of {_gb(ram, 0)} per node" if ram else f"host RAM {_gb(host, 0)} per node"
+            svg.label(vx, y + 29, txt + (" (host OOM)" if host_over else ""), size=11,
+                      fill="#b00000" if host_over else "#555")
     if capacity:
         x = sx(capacity)
         svg.line(x, top - 14, x, bottom + 2, stroke="#d00000", width=2.5, dash="7 4")
@@ -225,7 +265,7 @@ def memory_chart_svg(data: dict[str, Any], width: int = 960, standalone: bool = 
     items = [(c.label, c.color, "box") for c in MEMORY_CATEGORIES]
     if capacity:
         items.append(("beyond the GPU memory", "#ffffff", "hatch:hatch-over"))
-    _legend(svg, items, left, bottom + 66, plot_w + right - 20)
+    _legend(svg, items, left, bottom + 84, plot_w + right - 20)
     text = svg.text()
     if standalone:
         text = ('<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -263,7 +303,8 @@ def time_chart_svg(data: dict[str, Any], width: int = 960) -> str | None:
         t = p["time"]
         y = top + i * row_h + (row_h - bar_h) / 2
         svg.label(left - 10, y + bar_h / 2 + 5, p["label"], anchor="end", size=13, weight="bold")
-        values = [t["compute_s"], t["exposed_best_s"], max(0.0, t["exposed_worst_s"] - t["exposed_best_s"])]
+        values = t.get("parts") or [t["compute_s"], t["exposed_best_s"], 0.0, 0.0, 0.0,
+                                    max(0.0, t["exposed_worst_s"] - t["exposed_best_s"])]
         acc = 0.0
         for part, v in zip(TIME_PARTS, values):
             if v <= 0:
@@ -278,7 +319,7 @@ def time_chart_svg(data: dict[str, Any], width: int = 960) -> str | None:
                   f"{_sec(t['step_time_s'])} estimate, comm share {t['comm_share']:.0%}", size=12)
     items = [(part.label, part.color, "hatch:hatch-worst" if part.key == "worst_extra" else "box")
              for part in TIME_PARTS]
-    items.append(("estimate (mean of best and worst)", "#111", "line"))
+    items.append(("estimate (overlap schedule)", "#111", "line"))
     _legend(svg, items, left, bottom + 66, plot_w + right - 20)
     return svg.text()
 
@@ -459,8 +500,11 @@ def _table(ident: str, caption: str, head: Sequence[str], rows: Sequence[str]) -
 
 def _memory_table(data: dict[str, Any]) -> str:
     cats = [c for c in MEMORY_CATEGORIES]
+    ram = next((p.get("host_ram_per_node_bytes") for p in data["plans"] if p.get("host_ram_per_node_bytes")), None)
+    ram_of = f", of {ram / GB:,.0f}" if ram else ""
     head = (["option"] + [f"{c.label} at peak (GB)" for c in cats]
-            + ["peak (GB)", "peak phase", "fits", "model states, steady (GB)"])
+            + ["peak (GB)", "peak phase", "fits", "model states, steady (GB)", "host RAM per node (GB)" + ram_of,
+               "host RAM fits"])
     rows = []
     for p in data["plans"]:
         m = p["memory_at_peak"]
@@ -473,6 +517,12 @@ def _memory_table(data: dict[str, Any]) -> str:
                          key="fits", stage=p["stage"]))
         ms = p["memory"]["model_states"]
         cells.append(_td(f"{ms / GB:,.2f}", ms, key="model_states", stage=p["stage"]))
+        host = p.get("host_memory_per_node")
+        cells.append(_td("—" if host is None else f"{host / GB:,.2f}", host, key="host_memory_per_node",
+                         stage=p["stage"]))
+        hf = p.get("host_fits")
+        cells.append(_td("—" if hf is None else ("yes" if hf else "NO"), None if hf is None else int(hf),
+                         key="host_fits", stage=p["stage"]))
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return _table("table-memory", "Per-GPU memory live in the peak phase, by category (GB = 10^9 bytes; data-value: bytes). Model states "
                   "(steady state: parameters + gradients + optimizer states, as the ZeRO paper counts them) for comparison", head, rows)
@@ -552,7 +602,7 @@ def _inputs_section(data: dict[str, Any]) -> str:
         ("batch", f"micro-batch {t['micro_batch']} × {t['seq_len']:,} tokens, gradient accumulation {t['grad_accum']}"),
         ("activations", f"checkpointing {t['checkpointing']}, flash attention {'on' if t['flash_attention'] else 'off'}"),
         ("comm model", data["comm_model"]),
-        ("MFU assumed", f"{data['mfu']:g}"),
+        ("MFU", f"{data['mfu']:g} (--mfu)" if data.get("mfu") is not None else "compute model (core/compute.py)"),
         ("sweep", f"memory: 1 … {data['memory_sweep']['gpus'][-1]:,} GPUs; time: 1 … {data['max_nodes']:,} nodes"),
     ]
     for k, v in data.get("inputs", {}).items():
@@ -560,10 +610,52 @@ def _inputs_section(data: dict[str, Any]) -> str:
             pairs.append((f"--{k.replace('_', '-')}", str(v)))
     rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in pairs)
     notes = list(dict.fromkeys(data.get("assumptions", []) + data.get("notes", [])))
-    items = "".join(f"<li>{_e(n)}</li>" for n in notes) or "<li>none</li>"
-    reasons = "".join(f"<li><b>{_e(p['label'])}</b>: {_e(p['peak_reason'])}</li>" for p in data["plans"])
+    items = "".join(f"<li>{_prose(n)}</li>" for n in notes) or "<li>none</li>"
+    reasons = "".join(f"<li><b>{_e(p['label'])}</b>: {_prose(p['peak_reason'])}</li>" for p in data["plans"])
     return (f'<section id="inputs"><h2>Inputs and assumptions</h2><table id="table-inputs">{rows}</table>'
             f"<h3>Assumptions and notes</h3><ul>{items}</ul><h3>What sets each peak</h3><ul>{reasons}</ul></section>")
+
+
+def _recommendation_section(data: dict[str, Any]) -> str:
+    """What ``zeroplan recommend`` chooses for the same inputs, and why (its explanation sentences)."""
+    rec = data.get("recommendation")
+    if not rec:
+        return ('<section id="recommendation"><h2>Recommendation</h2><p>No recommendation: it needs a hardware '
+                "profile (--hardware).</p></section>")
+    c = rec.get("chosen")
+    out = ['<section id="recommendation"><h2>Recommendation</h2>']
+    if c is None:
+        out.append('<p class="chosen"><b>Nothing fits</b> on this cluster with the searched settings.</p>')
+    else:
+        pairs = [
+            ("configuration", c["label"]),
+            ("micro-batch per GPU", f"{c['micro_batch']:,}"),
+            ("activation checkpointing", c["checkpointing"]),
+            ("reduce_bucket_size", f"{c['reduce_bucket_size']:,} elements"),
+        ]
+        if c["stage"] == 3:
+            pairs.append(("stage3_prefetch_bucket_size", f"{c['prefetch_bucket_size']:,} elements"))
+            if c.get("hpz_partition_size", 1) > 1:
+                pairs.append(("zero_hpz_partition_size (hpZ)", f"{c['hpz_partition_size']}"))
+        pairs += [
+            ("peak per GPU", f"{_gb(c['peak_bytes'])} of {_gb(c['gpu_memory_bytes'])} ({_gb(c['headroom_bytes'])} free)"),
+            ("host RAM per node", _gb(c["host_per_node_bytes"])),
+            ("step time", _sec(c.get("step_time_s"))),
+            ("useful throughput", f"{c['tokens_per_s']:,.0f} tokens/s (cluster)" if c.get("tokens_per_s") else "—"),
+        ]
+        rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in pairs)
+        out.append(f'<p class="chosen">Recommended: <b>{_e(c["label"])}</b>, micro-batch {c["micro_batch"]}, '
+                   f"checkpointing {_e(c['checkpointing'])}.</p>")
+        out.append(f'<table id="table-recommendation">{rows}</table>')
+    # the first sentence restates the choice shown above
+    sentences = [x for x in rec.get("explanation", []) if not (c is not None and x.startswith("Recommended:"))]
+    why = "".join(f"<li>{_prose(x.strip())}</li>" for x in sentences)
+    out.append(f'<h3>Why</h3><ul id="recommendation-reasons">{why}</ul>')
+    if rec.get("warnings"):
+        warn = "".join(f"<li>{_prose(x)}</li>" for x in rec["warnings"])
+        out.append(f'<h3>Warnings</h3><ul id="recommendation-warnings" class="warn">{warn}</ul>')
+    out.append("</section>")
+    return "".join(out)
 
 
 _CSS = """
@@ -573,7 +665,9 @@ h1{font-size:24px;margin-bottom:4px}h2{margin-top:36px;border-bottom:1px solid #
 table{border-collapse:collapse;margin:12px 0;font-size:13px}
 caption{text-align:left;font-weight:bold;padding:4px 0}
 th,td{border:1px solid #ddd;padding:3px 8px}td{text-align:right;font-variant-numeric:tabular-nums}
-#table-inputs td{text-align:left}thead th{background:#f4f4f4}tbody th{text-align:left;background:#fafafa}
+#table-inputs td,#table-recommendation td{text-align:left}
+code{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:90%%;background:#f4f4f4;padding:0 3px}
+.chosen{font-size:16px}.warn li{color:#8a4b00}thead th{background:#f4f4f4}tbody th{text-align:left;background:#fafafa}
 .figure{overflow-x:auto}svg.chart{display:block;max-width:100%%;height:auto;border:1px solid #eee;margin:8px 0}
 .units{color:#555;font-size:13px}
 """ % _FONT
@@ -594,7 +688,7 @@ def render_report_html(data: dict[str, Any]) -> str:
         f'<p class="sub">Generated by zeroplan {_e(version)}. Units: GB = 10<sup>9</sup> bytes, GiB = '
         f"2<sup>30</sup> bytes; times in seconds per optimizer step. Everything in this file is inline: it "
         f"needs no network.</p>",
-        _inputs_section(data),
+        _recommendation_section(data),
         '<section id="memory"><h2>Per-GPU memory at the chosen cluster</h2>',
         '<p class="units">Each bar is the peak over forward, backward and optimizer step, split into what is '
         "live in that phase (e.g. ZeRO-1/2's gradient partition is not yet allocated at the start of backward, "
@@ -603,6 +697,7 @@ def render_report_html(data: dict[str, Any]) -> str:
         f'<div class="figure">{memory_chart_svg(data)}</div>',
         _memory_table(data),
         "</section>",
+        _inputs_section(data),
     ]
     tsvg = time_chart_svg(data)
     parts.append('<section id="time"><h2>Compute vs communication per step</h2>')

@@ -182,9 +182,12 @@ def zero(
                                "real engine with --ds-config; needs zeroplan[deepspeed])."),
 ) -> None:
     """Run real ZeRO steps per stage and compare predicted vs measured memory and collectives."""
+    from zeroplan.runtime.launch import check_gpus_for, resolve_backend, under_torchrun
     from zeroplan.runtime.torchrun import check_timeout
 
     check_timeout(timeout)  # nan, inf, <= 0: one line before any rank starts
+    if not simulate and not under_torchrun() and resolve_backend(backend) == "nccl":
+        check_gpus_for(nproc)  # one GPU per rank, before the model is built
     try:
         from zeroplan.bench.validate import run_bench_zero_cli
     except ImportError as exc:

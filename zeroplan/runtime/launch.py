@@ -63,6 +63,7 @@ __all__ = [
     "node_layout",
     "resolve_backend",
     "check_world_size",
+    "check_gpus_for",
     "check_timeout",
     "check_torchrun_env",
     "free_port",
@@ -200,6 +201,10 @@ def _child_main(fn: Callable, rank: int, world_size: int, args: tuple, backend: 
         store.set_timeout(timedelta(seconds=pg_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
+        # Every rank is connected before any rank can finish: gloo's init returns on a rank once
+        # ITS pairs are up, so a rank whose fn returns at once would otherwise tear its sockets
+        # down while a slower peer is still in connectFullMesh ("Connection closed by peer").
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args)
             payload = {"ok": True, "value": jsonable(value)}
@@ -243,6 +248,10 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: tuple = (), backend: str 
     backend = resolve_backend(backend)
     if backend == "nccl":
         check_gpus_for(nproc)
+    # Loaded once here and shared by every forked rank (copy-on-write), not imported by each rank
+    # inside its --timeout: 3-15 s per rank on a busy 2-core machine. Importing starts no thread.
+    import torch.distributed  # noqa: F401
+
     ctx = mp.get_context("fork")
     procs: list[Any] = []
     me = os.getpid()

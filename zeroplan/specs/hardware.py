@@ -105,7 +105,7 @@ class OverheadSpec(_Strict):
     """Framework allowances per GPU, reported as their own memory category."""
 
     cuda_context_bytes: int  # CUDA/HIP context + library workspaces
-    nccl_bytes: int  # communicator buffers
+    nccl_bytes: int  # NCCL buffers per communicator (core/allocator.py counts the communicators)
     fragmentation_fraction: float  # of the live peak (caching-allocator slack)
 
 
@@ -503,6 +503,8 @@ def _toml_value(v: Any) -> str:
         return _toml_float(v)
     if isinstance(v, str):
         return _toml_str(v)
+    if isinstance(v, (list, tuple)):  # e.g. the NCCL algorithms a link offers
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 

@@ -21,8 +21,8 @@ model (zeroplan/options.py) or the same fields as keywords, and returns a pydant
 - :func:`load_model`, :func:`load_profile`, :func:`load_ds_config`: the readers.
 
 A user mistake (unknown model, bad value, a DeepSpeed config DeepSpeed would refuse) raises
-:class:`zeroplan.InputError` (a ``ValueError``) naming the option or file, the value and what was
-expected; a field of the wrong type raises pydantic's ``ValidationError`` (also a ``ValueError``).
+:class:`zeroplan.InputError` naming the option or file, the value and what was
+expected; an unknown field or a value of the wrong type raises pydantic's ``ValidationError``.
 No call imports torch or rich.
 """
 

@@ -36,7 +36,9 @@ MAX_SWEEP_NODES = 4096
 
 
 class _Options(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # defer_build: a class's validator is built on first use, so a process pays only for the
+    # options it uses (the CLI reads the defaults of all of them through model_fields)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, defer_build=True)
 
 
 class CommonOptions(_Options):

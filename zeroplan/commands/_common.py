@@ -1,9 +1,11 @@
 """Shared CLI plumbing: the planning options, error handling, JSON output, consoles.
 
-The planning options are defined ONCE here (typer ``Annotated`` types) and used by ``estimate``,
-``recommend``, ``check`` and ``report``: one name, one type, one meaning and one default each.
-Options that a command cannot honour are not offered by it (``check`` gates the stage and
-offload its config file sets, so it has no ``--stage``/``--offload-*``/``--ds-config``).
+The planning options are declared ONCE here as CLI flags (typer ``Annotated`` types) and used by
+``estimate``, ``recommend``, ``check``, ``report`` and ``nccl-log``: one name, one type, one meaning
+each. Their defaults are the Python API's (zeroplan/options.py, read with ``default_of``); a
+command turns its parameters into the API's options model with ``options_from`` and makes one
+API call. Options that a command cannot honour are not offered by it (``check`` gates the stage
+and offload its config file sets, so it has no ``--stage``/``--offload-*``/``--ds-config``).
 """
 
 from __future__ import annotations

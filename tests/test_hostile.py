@@ -246,7 +246,9 @@ def test_tiny_count_gives_no_negative_bytes_or_is_rejected():
             negatives.append(p)
 
     walk(json.loads(r.stdout))
-    assert negatives == []
+    # deepspeed_estimator.vs_peak is a signed difference (zeroplan's peak − DeepSpeed's estimate,
+    # split into parts; core/ds_estimator.EstimatorDifference): its parts may be negative by design
+    assert [p for p in negatives if ".vs_peak." not in p] == []
 
 
 def test_model_config_absurd_layer_count_is_rejected_quickly(tmp_path):

@@ -34,7 +34,7 @@ from zeroplan._util import InputError
 from zeroplan.core.inputs import PlanInputs, annotate_ds_config, build_plan_inputs, refuse_ds_errors
 from zeroplan.core.plan import ClusterSummary, EstimateResult, evaluate, model_summary, training_summary
 from zeroplan.options import (
-    COMM_MODELS, MAX_SWEEP_NODES, CheckOptions, CommonOptions, PlanOptions, RecommendOptions, ReportOptions,
+    COMM_MODELS, CheckOptions, CommonOptions, PlanOptions, RecommendOptions, ReportOptions,
 )
 from zeroplan.specs.deepspeed_config import DSConfig, load_ds_config
 from zeroplan.specs.hardware import HardwareProfile, load_profile
@@ -191,7 +191,9 @@ def build_report(options: ReportOptions | None = None, /, *,
     ``max_nodes`` nodes (memory) and, with hardware, over whole nodes (time), and what
     :func:`recommend` chooses for the same inputs. ``progress(done, total)`` follows the sweep.
     """
-    from zeroplan.report.sweep import build_report_data, recommendation_summary, sweep_evaluations
+    from zeroplan.report.sweep import (
+        MAX_SWEEP_NODES, build_report_data, recommendation_summary, sweep_evaluations,
+    )
 
     opts = _options(ReportOptions, options, fields)
     if not 1 <= opts.max_nodes <= MAX_SWEEP_NODES:

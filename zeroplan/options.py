@@ -27,12 +27,11 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = [
     "CommonOptions", "PlanOptions", "RecommendOptions", "CheckOptions", "ReportOptions", "default_of",
-    "COMM_MODELS", "FAIL_ON", "MAX_SWEEP_NODES",
+    "COMM_MODELS", "FAIL_ON",
 ]
 
 COMM_MODELS = ("deepspeed", "paper")
 FAIL_ON = ("error", "warning")
-MAX_SWEEP_NODES = 4096
 
 
 class _Options(BaseModel):

@@ -8,6 +8,9 @@ lower-case beyond the GPU's capacity, ``|`` at the capacity.
 
 Both renderers accept an ``EstimateResult`` (anything with ``.stages``, a list of Plans) or a
 plain list of Plans.
+
+Lazy import: ``rich.text`` inside each renderer, so that importing this module (the HTML report
+reads its category and colour tables) does not import rich.
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
-"""Rich renderers for the terminal. Units are always printed: GB = 10^9 bytes, GiB = 2^30."""
+"""Rich renderers for the terminal. Units are always printed: GB = 10^9 bytes, GiB = 2^30.
+
+Lazy import: ``rich`` (in ``render_estimate``, the one function that draws a table). The planning
+commands import this module for its number formats (``gb``, ``seconds``) and their ``--json`` path
+must not pay for rich; zeroplan modules are imported at module level.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from zeroplan._util import GiB, fmt_gb, fmt_gib
+from zeroplan.report.charts import render_memory_bars, render_time_bars
 
 __all__ = ["render_estimate", "gb", "gb_gib", "render_findings", "seconds", "estimator_line", "rounded_parts"]
 
@@ -147,8 +153,6 @@ def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None)
             row("offload share", lambda p: f"{p.time.offload_share:.0%}")
         row("tokens/s (cluster)", lambda p: f"{p.tokens_per_s:,.0f}")
     con.print(table)
-    from zeroplan.report.charts import render_memory_bars, render_time_bars
-
     render_memory_bars(con, result)
     if c.hardware:
         render_time_bars(con, result)

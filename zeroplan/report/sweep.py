@@ -35,13 +35,13 @@ from pydantic import BaseModel, PrivateAttr
 from zeroplan._util import InputError
 from zeroplan.core.inputs import PlanInputs
 from zeroplan.core.plan import ClusterSummary, EstimateResult, ModelSummary, Plan, evaluate
-from zeroplan.options import MAX_SWEEP_NODES
 from zeroplan.report.charts import memory_at_peak, stage_label, time_parts
 
 __all__ = ["ReportData", "build_report_data", "recommendation_summary", "sweep_evaluations", "powers_of_two",
            "SWEEP_STAGES", "MAX_SWEEP_NODES"]
 
 SWEEP_STAGES = (0, 1, 2, 3)
+MAX_SWEEP_NODES = 4096
 
 
 class ReportData(BaseModel):

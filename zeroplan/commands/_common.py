@@ -23,7 +23,8 @@ from zeroplan.options import CheckOptions, CommonOptions, RecommendOptions, Repo
 
 __all__ = [
     "handle_errors", "print_json", "console", "err_console", "fail", "parse_stages", "options_from",
-    "Model", "OptionalModel", "Hardware", "Gpus", "Nodes", "GpusPerNode", "DsConfig", "Precision", "Optimizer", "MicroBatch",
+    "Model", "OptionalModel", "Hardware", "Gpus", "Nodes", "GpusPerNode", "DsConfig", "Precision", "Optimizer",
+    "MicroBatch",
     "SeqLen", "GradAccum", "Checkpointing", "FlashAttention", "OffloadOptimizer", "OffloadParam", "Stage",
     "Headroom", "CommModel", "Mfu", "Strict", "Lenient", "Json",
     "DEFAULT_HEADROOM", "DEFAULT_MFU", "DEFAULT_COMM_MODEL", "DEFAULT_TOP", "DEFAULT_FAIL_ON",

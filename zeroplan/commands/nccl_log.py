@@ -119,7 +119,8 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def nccl_log(
         file: Annotated[str, typer.Argument(
-            metavar="FILE", help="A log written with NCCL_DEBUG=INFO (add NCCL_DEBUG_SUBSYS=INIT,COLL to see every collective).")],
+            metavar="FILE",
+            help="A log written with NCCL_DEBUG=INFO (add NCCL_DEBUG_SUBSYS=INIT,COLL to see every collective).")],
         model: OptionalModel = None,
         hardware: Hardware = None,
         gpus: Gpus = None,

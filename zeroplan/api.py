@@ -78,7 +78,7 @@ def plan_kwargs(options: CommonOptions) -> dict[str, Any]:
 
 def _validate_model_options(options: CommonOptions) -> None:
     if options.comm_model not in COMM_MODELS:
-        raise InputError(f"--comm-model {options.comm_model!r} is unknown; expected deepspeed or paper")
+        raise InputError(f"--flavour (--comm-model) {options.comm_model!r} is unknown; expected deepspeed or paper")
     if options.mfu is not None and not (0 < options.mfu <= 1):
         raise InputError(f"--mfu {options.mfu} must be in (0, 1]")
 

@@ -106,6 +106,7 @@ COMMANDS = {
     "recommend": "recommend",
     "check": "check",
     "bench": "bench",
+    "validate": "validate",
     "profiles": "profiles",
     "models": "models",
     "detect": "detect",

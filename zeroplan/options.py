@@ -50,7 +50,8 @@ class CommonOptions(_Options):
     - ``precision`` (fp32, bf16, fp16), ``optimizer`` (adamw, adam, sgd-momentum, sgd, adam8bit),
       ``micro_batch``, ``seq_len``, ``grad_accum``, ``checkpointing`` (none, selective, full),
       ``flash_attention``: the training setup.
-    - ``comm_model``: ``"deepspeed"`` (the collectives DeepSpeed issues) or ``"paper"`` (ZeRO paper).
+    - ``comm_model``: the flavour (``--flavour``, alias ``--comm-model``): ``"deepspeed"`` (what
+      DeepSpeed 0.19.8 allocates and issues) or ``"paper"`` (the ZeRO paper's accounting).
     - ``mfu``: a fixed model FLOPs utilisation in (0, 1]; ``None``: the compute model.
     """
 
@@ -87,10 +88,14 @@ class _ConfigOptions(_Options):
 
 class PlanOptions(CommonOptions, _ConfigOptions):
     """Everything ``estimate`` plans with. ``offload_optimizer`` / ``offload_param``: none, cpu or
-    nvme (``None``: the config's, else none)."""
+    nvme (``None``: the config's, else none). ``optimizer_impl``: how the Adam step runs on the GPU
+    (fused-adam, torch-foreach, torch-fused, torch-single, cpu-adam; ``None``: from the config).
+    ``expandable_segments``: plan for PyTorch's ``expandable_segments:True`` allocator (API only)."""
 
     offload_optimizer: Optional[str] = None
     offload_param: Optional[str] = None
+    optimizer_impl: Optional[str] = None
+    expandable_segments: bool = False
 
 
 class RecommendOptions(CommonOptions, _ConfigOptions):

@@ -7,7 +7,7 @@ import typer
 from zeroplan.commands._common import (
     DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
     Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Model, Nodes, OffloadOptimizer, OffloadParam, Optimizer,
-    Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
+    OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
 )
 from zeroplan.options import PlanOptions
 
@@ -35,6 +35,7 @@ def register(app: typer.Typer) -> None:
         offload_param: OffloadParam = None,
         stage: Stage = None,
         comm_model: CommModel = DEFAULT_COMM_MODEL,
+        optimizer_impl: OptimizerImpl = None,
         mfu: Mfu = DEFAULT_MFU,
         strict: Strict = False,
         lenient: Lenient = False,

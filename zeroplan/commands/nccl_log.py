@@ -20,7 +20,7 @@ from zeroplan._util import InputError, fmt_bytes
 from zeroplan.commands._common import (
     DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
     Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer, OffloadParam, OptionalModel, Optimizer,
-    Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
+    OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
 )
 from zeroplan.options import PlanOptions
 
@@ -136,6 +136,7 @@ def register(app: typer.Typer) -> None:
         flash_attention: FlashAttention = None,
         offload_optimizer: OffloadOptimizer = None,
         offload_param: OffloadParam = None,
+        optimizer_impl: OptimizerImpl = None,
         stage: Stage = None,
         comm_model: CommModel = DEFAULT_COMM_MODEL,
         mfu: Mfu = DEFAULT_MFU,

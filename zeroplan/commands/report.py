@@ -17,7 +17,8 @@ from zeroplan._util import InputError
 from zeroplan.commands._common import (
     DEFAULT_COMM_MODEL, DEFAULT_MAX_NODES, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention,
     GpusPerNode, GradAccum, Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Model, Nodes, OffloadOptimizer,
-    OffloadParam, Optimizer, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
+    OffloadParam, Optimizer, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from,
+    print_json,
 )
 from zeroplan.options import ReportOptions
 
@@ -78,6 +79,7 @@ def register(app: typer.Typer) -> None:
         flash_attention: FlashAttention = None,
         offload_optimizer: OffloadOptimizer = None,
         offload_param: OffloadParam = None,
+        optimizer_impl: OptimizerImpl = None,
         stage: Stage = None,
         comm_model: CommModel = DEFAULT_COMM_MODEL,
         mfu: Mfu = DEFAULT_MFU,

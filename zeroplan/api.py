@@ -60,6 +60,7 @@ O = TypeVar("O", bound=CommonOptions)
 _code = build_plan_inputs.__code__
 _INPUT_KEYWORDS: tuple[str, ...] = _code.co_varnames[_code.co_argcount:_code.co_argcount + _code.co_kwonlyargcount]
 del _code
+_API_ONLY = ("expandable_segments",)  # options with no CLI flag (yet)
 
 
 def _options(cls: type[O], options: O | None, fields: dict[str, Any]) -> O:
@@ -211,7 +212,9 @@ def build_report(options: ReportOptions | None = None, /, *,
         # what `zeroplan recommend` chooses for the same inputs: it searches every stage and checkpointing
         searched = set(RecommendOptions.model_fields) - {"stage", "checkpointing"}
         rec = recommendation_summary(_recommend(RecommendOptions(**opts.model_dump(include=searched)), inp))
-    inputs = {k: v for k, v in plan_kwargs(opts).items() if v is not None}
+    # the options as given (the CLI's flags that were set, and --strict); API-only fields only when set
+    inputs = {k: v for k, v in plan_kwargs(opts).items()
+              if v is not None and not (k in _API_ONLY and v == ReportOptions.model_fields[k].default)}
     return build_report_data(result, inp, max_nodes=opts.max_nodes, comm_model=opts.comm_model, mfu=opts.mfu,
                              inputs=inputs, recommendation=rec, on_step=on_step)
 

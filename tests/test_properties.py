@@ -362,7 +362,7 @@ def test_time_brackets_are_ordered(m, training, nodes, z, hw):
        precision=st.sampled_from(["fp32", "bf16", "fp16"]), gas=st.integers(1, 4),
        hw=st.sampled_from(["dgx-h100", "h100-8x-100gbe", "mi300x-8x"]))
 def test_estimate_json_round_trips_through_the_pydantic_models(model, nodes, precision, gas, hw):
-    from zeroplan.commands.estimate import run_estimate
+    import zeroplan
 
     r = runner.invoke(app, ["estimate", "--model", model, "--hardware", hw, "--nodes", str(nodes), "--precision",
                             precision, "--grad-accum", str(gas), "--json"])
@@ -370,7 +370,7 @@ def test_estimate_json_round_trips_through_the_pydantic_models(model, nodes, pre
     data = json.loads(r.stdout)
     parsed = EstimateResult.model_validate(data)
     # the CLI printed exactly what the library returns, and the model re-serialises to the same JSON
-    lib, _ = run_estimate(model=model, hardware=hw, nodes=nodes, precision=precision, grad_accum=gas)
+    lib = zeroplan.estimate(model=model, hardware=hw, nodes=nodes, precision=precision, grad_accum=gas)
     assert parsed == lib
     assert json.loads(parsed.model_dump_json()) == data
     for plan in parsed.stages:
@@ -388,9 +388,9 @@ def test_estimate_json_round_trips_through_the_pydantic_models(model, nodes, pre
        seq=st.sampled_from([1024, 2048, 4096]))
 def test_recommend_choice_passes_check(model, hw, nodes, precision, seq, tmp_path_factory):
     from zeroplan.advice.check import run_check
-    from zeroplan.commands.recommend import run_recommend
+    import zeroplan
 
-    rec, _ = run_recommend(model=model, hardware=hw, nodes=nodes, precision=precision, seq_len=seq)
+    rec = zeroplan.recommend(model=model, hardware=hw, nodes=nodes, precision=precision, seq_len=seq)
     if rec.chosen is None:
         return  # nothing fits: nothing to check (recommend says so itself)
     assert rec.ds_config is not None

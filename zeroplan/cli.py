@@ -90,7 +90,7 @@ class _ZeroplanGroup(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-app = typer.Typer(
+_app = typer.Typer(
     name="zeroplan",
     cls=_ZeroplanGroup,
     help=(
@@ -106,29 +106,61 @@ app = typer.Typer(
                       "show_default": True, **({} if sys.stdout.isatty() else {"terminal_width": HELP_WIDTH})},
 )
 
-# Each module registers its own commands; order = order in --help.
-_COMMAND_MODULES = (
-    "estimate",
-    "recommend",
-    "check",
-    "bench",
-    "validate",
-    "profiles",
-    "models",
-    "detect",
-    "report",
-    "nccl_log",
-    "schema",
-)
+# command name -> the module whose register(app) adds it; order = order in --help.
+COMMANDS = {
+    "estimate": "estimate",
+    "recommend": "recommend",
+    "check": "check",
+    "bench": "bench",
+    "validate": "validate",
+    "profiles": "profiles",
+    "models": "models",
+    "detect": "detect",
+    "report": "report",
+    "nccl-log": "nccl_log",
+    "schema": "schema",
+}
+_registered: list[str] = []
 
-for _name in _COMMAND_MODULES:
-    try:
-        _mod = importlib.import_module(f"zeroplan.commands.{_name}")
-    except ModuleNotFoundError as _exc:  # a command module not written yet
-        if _exc.name != f"zeroplan.commands.{_name}":
-            raise
-        continue
-    _mod.register(app)
+
+def _register(names: Any) -> typer.Typer:
+    """Import and register the command modules for ``names`` (each once, in --help order).
+
+    A command module imports its renderers and the API only when it runs, but typer needs the
+    command functions at registration; so a plain invocation registers just the command it
+    names (``main`` peeks at argv), and ``--help``, a typo or ``app`` (tests) register all.
+    """
+    for name in COMMANDS:
+        if name not in names or name in _registered:
+            continue
+        _registered.append(name)
+        module = f"zeroplan.commands.{COMMANDS[name]}"
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:  # a command module not written yet
+            if exc.name != module:
+                raise
+            continue
+        mod.register(_app)
+    if len(_registered) == 1 and not _app.registered_callback:
+        # typer turns an app with one command and no callback into that command: keep it a group
+        _app.callback()(_group)
+    return _app
+
+
+def _group() -> None:
+    pass
+
+
+def _invoked(argv: list[str] | None) -> str | None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    return args[0] if args and args[0] in COMMANDS else None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the whole CLI (every command registered), e.g. for typer.testing.CliRunner
+        return _register(COMMANDS)
+    raise AttributeError(f"module 'zeroplan.cli' has no attribute {name!r}")
 
 
 def _error(msg: str) -> None:
@@ -170,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         except (AttributeError, ValueError, OSError):
             pass
     atexit.register(remove_live_temps)
+    command = _invoked(argv)
+    app = _register([command] if command is not None and not _registered else COMMANDS)
     try:
         signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread (embedded use): leave the default

@@ -45,6 +45,8 @@ from typing import Any, Iterable
 from pydantic import BaseModel, Field
 
 __all__ = [
+    "NcclLogPlan",
+    "NcclLogReport",
     "NCCL_DATATYPES",
     "NCCL_OPS",
     "NcclDevice",
@@ -811,3 +813,21 @@ def compare_with_ledger(
         unmatched_logged_ops=unmatched,
         all_match=all(o.match for o in ops),
     )
+
+
+class NcclLogPlan(BaseModel):
+    """The plan a log was compared with."""
+
+    stage: int
+    n_gpus: int
+    comm_model: str
+    model: str
+
+
+class NcclLogReport(BaseModel):
+    """What ``zeroplan nccl-log --json`` prints: the log's summary and, with a plan, the comparison."""
+
+    file: str
+    summary: NcclLogSummary
+    comparison: LedgerComparison | None = None
+    plan: NcclLogPlan | None = None

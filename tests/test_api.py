@@ -105,7 +105,7 @@ def test_unknown_field_and_wrong_option_model_are_refused():
 
 @pytest.mark.parametrize("call,kw,needle", [
     (zeroplan.estimate, dict(model="llama-2-7b", comm_model="ring"), "--flavour (--comm-model) 'ring' is unknown"),
-    (zeroplan.estimate, dict(model="llama-2-7b", mfu=1.5), "--mfu 1.5 must be in (0, 1]"),
+    (zeroplan.estimate, dict(model="llama-2-7b", mfu=1.5), "--mfu 1.5 must be in [0.001, 1]"),
     (zeroplan.estimate, dict(model="no-such-model-xyz"), "no-such-model-xyz"),
     (zeroplan.recommend, dict(model="llama-2-7b"), "recommend needs --hardware"),
     (zeroplan.recommend, dict(model="llama-2-7b", hardware="dgx-h100", top=0), "--top 0 must be a positive"),

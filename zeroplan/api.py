@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # result types of heavier modules, imported when a call needs
     from zeroplan.report.sweep import ReportData
 
 __all__ = [
-    "estimate", "recommend", "check", "build_report", "read_nccl_log", "plan_inputs",
+    "estimate", "recommend", "check", "config_paths", "build_report", "read_nccl_log", "plan_inputs",
     "load_model", "load_profile", "load_ds_config",
     "CommonOptions", "PlanOptions", "RecommendOptions", "CheckOptions", "ReportOptions",
     "ModelSpec", "HardwareProfile", "DSConfig", "PlanInputs", "InputError",
@@ -169,6 +169,13 @@ def recommend(options: RecommendOptions | None = None, /, *,
             flash_attention=inp.training.flash_attention, model=inp.spec.name,
             hardware=inp.hardware.name if inp.hardware is not None else None, n_gpus=inp.n_gpus)
     return rec
+
+
+def config_paths(configs: str | Sequence[str], *, expand_globs: bool = False) -> list[str]:
+    """The config files ``check`` would read: literal paths, or globs with ``expand_globs``."""
+    from zeroplan.advice.check import expand_config_paths
+
+    return expand_config_paths([configs] if isinstance(configs, str) else list(configs), expand_globs=expand_globs)
 
 
 def check(configs: str | Sequence[str], options: CheckOptions | None = None, /, **fields: Any) -> CheckReport:

@@ -94,10 +94,10 @@ def register(app: typer.Typer) -> None:
         zeroplan check 'configs/*.json' -m llama-2-70b -H h100-8x-ib400 --nodes 4 --format github
         """
         from zeroplan._util import InputError, atomic_write_text, validate_output_path
-        from zeroplan.advice.check import expand_config_paths
         from zeroplan.api import check as check_api
+        from zeroplan.api import config_paths
 
-        validate_output_path(output, option="--output", inputs={"the checked config": expand_config_paths(
+        validate_output_path(output, option="--output", inputs={"the checked config": config_paths(
             configs, expand_globs=expand_globs), "--hardware": hardware, "--model": model})
         from zeroplan.report.formats import summary_line, to_github, to_json, to_junit
 

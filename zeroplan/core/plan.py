@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
-from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for
+from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
 from zeroplan.core.layout import build_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
@@ -44,7 +44,7 @@ class Plan(BaseModel):
     memory: MemoryBreakdown
     host_memory_per_node: int
     gpu_memory_bytes: int | None = None
-    fits: bool | None = None  # None when no hardware profile is given
+    fits: bool | None = None  # None when no hardware profile is given; judged on memory.peak (reserved + context + NCCL)
     headroom_bytes: int | None = None
     host_ram_per_node_bytes: int | None = None
     host_fits: bool | None = None
@@ -71,7 +71,7 @@ def evaluate(
     gpus_per_node: int | None = None,
     hardware: Any = None,
     comm_model: str = "deepspeed",
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = DEFAULT_MFU,
 ) -> Plan:
     """Evaluate one ZeRO configuration (``zero``: a ZeroConfig) on ``n_gpus`` data-parallel GPUs."""
     if gpus_per_node is None:
@@ -85,7 +85,8 @@ def evaluate(
         model_persistence_threshold=getattr(zero, "model_persistence_threshold", None),
     )
     overhead = hardware.overhead.model_dump() if hardware is not None else None
-    mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout)
+    mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout,
+                           flavour=comm_model)
     ledger: CommLedger = build_ledger(layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model)
     off_opt = _device(zero, "offload_optimizer") if stage >= 1 else "none"
     off_par = _device(zero, "offload_param") if stage == 3 else "none"
@@ -107,6 +108,8 @@ def evaluate(
         ),
         notes=list(mem.notes) + list(ledger.notes),
     )
+    if plan.deepspeed_estimator is not None:
+        plan.deepspeed_estimator.vs_peak = difference_from_peak(plan.deepspeed_estimator, mem)
     if hardware is not None:
         plan.gpu_memory_bytes = int(hardware.gpu.memory_bytes)
         plan.headroom_bytes = plan.gpu_memory_bytes - mem.peak
@@ -117,8 +120,9 @@ def evaluate(
             plan.host_fits = False
             plan.notes.append("NVMe offload exceeds the node's NVMe capacity")
         t = estimate_time(ledger, training, hardware, active_params=model.active_params, n_gpus=n_gpus,
-                          gpus_per_node=gpus_per_node, mfu=mfu)
+                          gpus_per_node=gpus_per_node, mfu=mfu, model=model)
         plan.time = t
+        plan.notes.extend(a for a in t.assumptions if a not in plan.notes)
         plan.comm.time_s = t.comm_time_s
         plan.comm.exposed_time_s = t.exposed_time_s
         plan.step_time_s = t.step_time_s
@@ -173,9 +177,11 @@ def training_summary(training: TrainingSetup) -> dict[str, Any]:
         "bytes_per_param": {
             "params": training.precision.param_bytes,
             "gradients": training.precision.grad_bytes,
-            "optimizer_states": training.optimizer_bytes_per_param,
+            "optimizer_states": training.optimizer_bytes_per_param,  # the paper's K; see each plan's memory
         },
         "optimizer": training.optimizer.name,
+        "optimizer_impl": training.optimizer_impl,
+        "grad_accum_dtype": training.grad_accum_dtype or training.precision.name,
         "micro_batch": training.micro_batch,
         "seq_len": training.seq_len,
         "grad_accum": training.grad_accum,

@@ -126,6 +126,10 @@ class FineTuneInventory(BaseModel):
     dequant_transient_elems: int = 0  # the largest quantised layer, dequantised per forward
     largest_trainable_tensor: int = 0
     notes: list[str] = Field(default_factory=list)
+    # The trainable tensors (adapters, modules_to_save copies, trainable base tensors) and the
+    # frozen base tensors, named as PEFT names them: the layouts of core/ are built from these.
+    trainable_tensors: list[ParamTensor] = Field(default_factory=list, exclude=True)
+    frozen_tensors: list[ParamTensor] = Field(default_factory=list, exclude=True)
 
     @property
     def trainable_fraction(self) -> float:
@@ -243,6 +247,7 @@ def finetune_inventory(spec: ModelSpec, ft: FineTune, compute_bytes: int = 2) ->
             targets = lora.targets
     adapter = saved = 0
     adapted = 0
+    copies: list[ParamTensor] = []
     by_target: dict[str, list[int]] = {}
     largest_trainable = 0
     for module, ts in mods.items():
@@ -252,12 +257,26 @@ def finetune_inventory(spec: ModelSpec, ft: FineTune, compute_bytes: int = 2) ->
             n = sum(t.numel for t in ts)  # a tied head's copy is a real, untied tensor
             saved += n
             largest_trainable = max(largest_trainable, max(t.numel for t in ts))
+            copies.extend(t.model_copy(update={"name": f"{module}.modules_to_save.default.{t.name.rsplit('.', 1)[-1]}",
+                                               "module": f"{module}.modules_to_save.default", "tied_to": None})
+                          for t in ts)
             continue
         hit = _module_matches(module, ts[0].role, targets)
         if hit is None:
             continue
         fan_in, fan_out = _module_shape(ts)
         n = lora.r * (fan_in + fan_out) + (fan_out if lora.dora else 0)
+        emb = ts[0].role in EMBED_ROLES
+        a, b = ("lora_embedding_A", "lora_embedding_B") if emb else ("lora_A", "lora_B")
+        layer = ts[0].layer
+        copies.append(ParamTensor(name=f"{module}.{a}.default.weight" if not emb else f"{module}.{a}.default",
+                                  module=f"{module}.{a}.default", shape=[lora.r, fan_in], role="lora", layer=layer))
+        copies.append(ParamTensor(name=f"{module}.{b}.default.weight" if not emb else f"{module}.{b}.default",
+                                  module=f"{module}.{b}.default", shape=[fan_out, lora.r], role="lora", layer=layer))
+        if lora.dora:
+            copies.append(ParamTensor(name=f"{module}.lora_magnitude_vector.default.weight",
+                                      module=f"{module}.lora_magnitude_vector.default", shape=[fan_out], role="lora",
+                                      layer=layer))
         adapter += n
         adapted += 1
         key = hit if lora.targets != ALL_LINEAR else module.rsplit(".", 1)[-1]
@@ -279,6 +298,8 @@ def finetune_inventory(spec: ModelSpec, ft: FineTune, compute_bytes: int = 2) ->
         adapted_modules=adapted,
         by_target=[TargetCount(target=k, modules=v[0], params=v[1]) for k, v in sorted(by_target.items())],
         largest_trainable_tensor=largest_trainable,
+        trainable_tensors=[t for t in spec.tensors if t.tied_to is None and t.name in train_names] + copies,
+        frozen_tensors=[t for t in spec.tensors if t.tied_to is None and t.name not in train_names],
     )
     _add_storage(inv, spec, ft, mods, train_names, compute_bytes)
     return inv

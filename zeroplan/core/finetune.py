@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zeroplan.core.layout import Layout
 from zeroplan.specs.finetune import FineTune, FineTuneInventory, finetune_inventory
 from zeroplan.specs.model import ModelSpec
 
-__all__ = ["FineTuneViews", "finetune_views"]
+__all__ = ["FineTuneViews", "finetune_views", "ledger_layouts"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +70,11 @@ def finetune_views(spec: ModelSpec, ft: FineTune, compute_bytes: int) -> FineTun
     return FineTuneViews(inventory=inv, trainable=trainable, full=full,
                          frozen_storage_bytes=int(inv.frozen_storage_bytes or 0),
                          quantized_params=inv.quantized_params)
+
+
+def ledger_layouts(layout: Layout, train_layout: Layout | None, stage: int) -> tuple[Layout, Layout | None]:
+    """(layout, train_layout) for core.comm.build_ledger: stages 0-2 communicate only the trainable
+    parameters; stage 3 gathers every parameter and reduces the trainable ones."""
+    if train_layout is not None and stage < 3:
+        return train_layout, None
+    return layout, train_layout

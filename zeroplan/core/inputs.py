@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroplan._util import InputError, read_text_file
+from zeroplan.core.finetune import FineTuneViews
 from zeroplan.specs.deepspeed_config import (
     DEEPSPEED_VERSION,
     ZEROPLAN_KEY,
@@ -49,6 +50,7 @@ class PlanInputs:
     gpus_per_node: int
     nodes: int
     ds: DSConfig | None = None
+    finetune: FineTuneViews | None = None  # trainable vs frozen (core/finetune.py); None = full training
     stages: list[int] = field(default_factory=list)
     offload_optimizer: str | None = None
     offload_param: str | None = None

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
-from zeroplan.core.finetune import FineTuneViews
+from zeroplan.core.finetune import FineTuneViews, ledger_layouts
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
 from zeroplan.core.layout import build_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
@@ -96,11 +96,9 @@ def evaluate(
     overhead = hardware.overhead.model_dump() if hardware is not None else None
     mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout,
                            flavour=comm_model, finetune=finetune, train_layout=train_layout)
-    if train_layout is not None and stage < 3:  # frozen weights are never communicated in stages 0-2
-        ledger: CommLedger = build_ledger(train_layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model)
-    else:
-        ledger = build_ledger(layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model,
-                              train_layout=train_layout)
+    led_layout, led_train = ledger_layouts(layout, train_layout, stage)
+    ledger: CommLedger = build_ledger(led_layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model,
+                                      train_layout=led_train)
     off_opt = _device(zero, "offload_optimizer") if stage >= 1 else "none"
     off_par = _device(zero, "offload_param") if stage == 3 else "none"
     comm = CommResult(

@@ -177,6 +177,10 @@ def _precision(r: _Reader, bf16_key: str = "bf16", fp16_key: str = "fp16") -> st
     return None
 
 
+def _storage(precision: str | None) -> str:
+    return {"fp16": "float16", "fp32": "float32"}.get(precision or "bf16", "bfloat16")
+
+
 def _ds_path(r: _Reader, key: str, base: Path) -> str | dict | None:
     v = r.raw(key)
     if v is None:
@@ -343,7 +347,10 @@ def read_axolotl(path: str | Path) -> TrainingFile:
             raise InputError(f"{where}: adapter = {adapter!r} needs lora_target_modules or lora_target_linear: true")
         lora = LoraSpec(r=r.int("lora_r", hi=1 << 16) or 8, alpha=r.raw("lora_alpha"), targets=targets,
                         dora=bool(r.bool("peft_use_dora")), modules_to_save=r.names("lora_modules_to_save") or ())
-        quant = QuantSpec(bits=4) if (adapter == "qlora" or in4) else (QuantSpec(bits=8) if in8 else None)
+        # axolotl loads 4-bit weights with bnb_4bit_quant_storage = the model dtype under DeepSpeed
+        # ZeRO-3 / FSDP (its model loader's BitsAndBytesConfig), which ZeRO-3 needs; it does no harm below
+        quant = (QuantSpec(bits=4, storage_dtype=_storage(out.precision)) if (adapter == "qlora" or in4)
+                 else (QuantSpec(bits=8) if in8 else None))
         out.finetune = FineTune(method="qlora" if quant is not None else "lora", lora=lora, quant=quant)
     out.optimizer = _axolotl_optimizer(r)
     out.ds_config = _ds_path(r, "deepspeed", Path(where).resolve().parent)
@@ -392,7 +399,9 @@ def read_llama_factory(path: str | Path) -> TrainingFile:
         quant = None
         if qbit is not None:
             dq = r.bool("double_quantization")
-            quant = QuantSpec(bits=qbit, double_quant=True if dq is None else dq)
+            # LLaMA-Factory (model/model_utils/quantization.py) sets bnb_4bit_quant_storage to the compute
+            # dtype when DeepSpeed ZeRO-3 or FSDP is on
+            quant = QuantSpec(bits=qbit, double_quant=True if dq is None else dq, storage_dtype=_storage(out.precision))
         out.finetune = FineTune(method="qlora" if quant else "lora", lora=lora, quant=quant)
     elif ftype == "freeze":
         k = r.int("freeze_trainable_layers", lo=-(1 << 20), hi=1 << 20) or 2

@@ -42,10 +42,10 @@ def test_published_finetune_case(case_id, capsys):
                             micro_batch=c["micro_batch"], seq_len=c["seq_len"], checkpointing="full", stage=3, **ft)
     p = evaluate(model=inp.spec, training=inp.training, zero=inp.zero(3), n_gpus=inp.n_gpus,
                  gpus_per_node=inp.gpus_per_node, hardware=inp.hardware, finetune=inp.finetune)
-    unit = 2**30 if c.get("figure_unit") == "GiB" else 1e9  # the source's "GB" basis is not stated: read as 1e9
+    unit = 2**30 if c["figure_unit"] == "GiB" else 1e9  # the source's "GB" basis is not stated: read as 1e9
     measured = c["figure_value"] * unit
     err = (p.memory.peak - measured) / measured
     with capsys.disabled():
-        print(f"\n{case_id}: measured {c['figure_value']} {c.get('unit')}, zeroplan peak {p.memory.peak / 1e9:.1f} GB "
+        print(f"\n{case_id}: measured {c['figure_value']} {c["figure_unit"]}, zeroplan peak {p.memory.peak / 1e9:.1f} GB "
               f"(allocated {p.memory.allocated / 1e9:.1f}), error {100 * err:+.0f}%")
     assert p.fits, "the published run trained on these GPUs"

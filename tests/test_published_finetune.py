@@ -46,6 +46,6 @@ def test_published_finetune_case(case_id, capsys):
     measured = c["figure_value"] * unit
     err = (p.memory.peak - measured) / measured
     with capsys.disabled():
-        print(f"\n{case_id}: measured {c['figure_value']} {c["figure_unit"]}, zeroplan peak {p.memory.peak / 1e9:.1f} GB "
+        print(f"\n{case_id}: measured {c['figure_value']} {c['figure_unit']}, zeroplan peak {p.memory.peak / 1e9:.1f} GB "
               f"(allocated {p.memory.allocated / 1e9:.1f}), error {100 * err:+.0f}%")
     assert p.fits, "the published run trained on these GPUs"

@@ -115,7 +115,7 @@ class AdviceContext:
             zero, training, hw = apply_change(self.inp, self.zero, self.training, self.hw, change or {})
             self._plans[key] = evaluate(model=self.inp.spec, training=training, zero=zero, n_gpus=self.inp.n_gpus,
                                         gpus_per_node=self.inp.gpus_per_node, hardware=hw,
-                                        comm_model=self.comm_model, mfu=self.mfu)
+                                        comm_model=self.comm_model, mfu=self.mfu, finetune=self.inp.finetune)
         return self._plans[key]
 
     def try_change(self, change: dict[str, Any], metric: Metric, claim: Claim) -> Alternative:

@@ -205,7 +205,7 @@ def _chosen_plan(inp: PlanInputs, sw: _Sweep, base_zeros: dict[int, Any], chosen
                         comm_model=comm_model, mfu=mfu, min_headroom=headroom)
     plan = evaluate(model=inp.spec, training=sw.training(chosen.micro_batch, chosen.checkpointing), zero=zero,
                     n_gpus=inp.n_gpus, gpus_per_node=inp.gpus_per_node, hardware=inp.hardware,
-                    comm_model=comm_model, mfu=mfu)
+                    comm_model=comm_model, mfu=mfu, finetune=inp.finetune)
     opt_type = None if inp.ds is not None else (
         "Adam" if inp.training.optimizer.name == "adam" else
         "AdamW" if inp.training.optimizer.name == "adamw" else None)

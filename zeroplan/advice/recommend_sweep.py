@@ -21,6 +21,7 @@ from zeroplan.core.activations import activation_memory
 from zeroplan.core.allocator import communicators, reserved_bytes
 from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
 from zeroplan.core.layout import build_layout
+from zeroplan.core.finetune import ledger_layouts
 from zeroplan.core.memory import memory_for_stage
 from zeroplan.core.timing import estimate_time
 
@@ -89,7 +90,8 @@ class _Family:
             self.direct_evals += 1
             zero = self.sw.zero(self.stage, point)
             m = memory_for_stage(self.sw.spec, self.sw.ref_training, zero, self.sw.n, gpus_per_node=self.sw.gpn,
-                                 overhead=self.sw.overhead, layout=self.sw.layout(zero), flavour=self.sw.comm_model)
+                                 overhead=self.sw.overhead, layout=self.sw.layout(zero), flavour=self.sw.comm_model,
+                                 finetune=self.sw.inp.finetune, train_layout=self.sw.train_layout(zero))
             f = m.phases["forward"].by_category
             b = m.phases["backward"].by_category
             st = m.phases["step"].by_category
@@ -127,8 +129,9 @@ class _Family:
         if point not in self._led:
             self.direct_ledgers += 1
             zero = self.sw.zero(self.stage, point)
-            led = build_ledger(self.sw.layout(zero), self.sw.inp.training, zero, gpus_per_node=self.sw.gpn,
-                               comm_model=self.sw.comm_model)
+            lay, train = ledger_layouts(self.sw.layout(zero), self.sw.train_layout(zero), self.stage)
+            led = build_ledger(lay, self.sw.inp.training, zero, gpus_per_node=self.sw.gpn,
+                               comm_model=self.sw.comm_model, train_layout=train)
             calls = Counter()
             proto = {}
             for e in led.collectives:
@@ -170,7 +173,8 @@ class _Sweep:
     def __init__(self, inp: Any, *, comm_model: str, mfu: float | None, base_zeros: dict[int, Any]):
         self.inp = inp
         self.hw = inp.hardware
-        self.spec = inp.spec
+        # with frozen weights, the layouts hold every parameter incl. adapters (core/finetune.py)
+        self.spec = inp.spec if inp.finetune is None else inp.finetune.full
         self.n = inp.n_gpus
         self.gpn = inp.gpus_per_node
         self.comm_model = comm_model
@@ -208,6 +212,19 @@ class _Sweep:
             lay = (build_layout(self.spec, self.n, persistence_threshold=pt,
                                                 model_persistence_threshold=zero.model_persistence_threshold))
             self._layouts[key] = lay
+        return lay
+
+    def train_layout(self, zero: Any) -> Any:
+        """The trainable parameters' layout (None without frozen weights)."""
+        if self.inp.finetune is None:
+            return None
+        stage = zero.stage
+        key = ("train", int(zero.param_persistence_threshold) if stage == 3 else 0, zero.model_persistence_threshold)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = build_layout(
+                self.inp.finetune.trainable, self.n,
+                persistence_threshold=key[1], model_persistence_threshold=zero.model_persistence_threshold)
         return lay
 
     def zero(self, stage: int, point: tuple) -> Any:

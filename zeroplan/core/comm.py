@@ -133,8 +133,15 @@ def build_ledger(
     gpus_per_node: int,
     comm_model: str = "deepspeed",
     schedule: Stage3Schedule | None = None,
+    train_layout: Layout | None = None,
 ) -> CommLedger:
-    """The collectives of one optimizer step for ``zero.stage`` (see module docstring)."""
+    """The collectives of one optimizer step for ``zero.stage`` (see module docstring).
+
+    With frozen weights (core/finetune.py) stages 0–2 communicate only the trainable parameters,
+    so the caller passes their layout as ``layout``; stage 3 gathers every parameter (``layout``)
+    but reduces and updates only the trainable ones (``train_layout``).
+    """
+    tl = layout if train_layout is None else train_layout
     if comm_model not in ("deepspeed", "paper"):
         raise ValueError(f"comm_model must be 'deepspeed' or 'paper', got {comm_model!r}")
     g = lambda name, default=None: getattr(zero, name, default)  # noqa: E731
@@ -220,7 +227,7 @@ def build_ledger(
                 B.add("all_gather", "backward", "module parameters re-gathered (qwZ)", buf, gas, "int8", True)
             else:
                 B.add("all_gather", "backward", "module parameters re-gathered", m.gathered * b_p, gas, pdt, True)
-        buckets = layout.grad_buckets(rbs, 3)
+        buckets = tl.grad_buckets(rbs, 3)
         if qgz:
             gpn = B.gpn
             for s_ in buckets:
@@ -231,8 +238,8 @@ def build_ledger(
                       gas, "int4", overlap, group="inter-node", group_size=B.nodes)
         else:
             B.buckets("reduce_scatter", "backward", "gradient bucket", buckets, b_c, gas, cdt, overlap)
-        for t in layout.persistent_tensors:
-            B.add("all_gather", "step", "persistent parameter", layout.padded(t.numel) * b_p, 1, pdt, False)
+        for t in tl.persistent_tensors:
+            B.add("all_gather", "step", "persistent parameter", tl.padded(t.numel) * b_p, 1, pdt, False)
         if ds:
             off = getattr(getattr(zero, "offload_optimizer", None), "device", "none")
             if str(getattr(off, "value", off)) != "none":
@@ -246,9 +253,9 @@ def build_ledger(
     off_par = getattr(getattr(zero, "offload_param", None), "device", "none")
     off_opt = str(getattr(off_opt, "value", off_opt))
     off_par = str(getattr(off_par, "value", off_par))
-    cpu_params, nvme_bytes = offload_costs(layout, training, zero)
+    cpu_params, nvme_bytes = offload_costs(tl, training, zero)
     if stage >= 1 and off_opt != "none":
-        part = layout.partition_12 if stage < 3 else layout.partition_3
+        part = tl.partition_12 if stage < 3 else tl.partition_3
         down_count = 1 if stage == 1 else gas
         pcie.append(PcieTransfer(direction="device_to_host", what="gradient partition to the CPU optimizer",
                                  bytes_per_step=part * prec.grad_bytes * down_count))

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroplan._util import InputError, read_text_file
+from zeroplan.core.finetune import FineTuneViews
+from zeroplan.core.finetune_inputs import FineTuneOptions, fill_from_file, read_training_files, resolve_finetune
 from zeroplan.specs.deepspeed_config import (
     DEEPSPEED_VERSION,
     ZEROPLAN_KEY,
@@ -50,6 +52,7 @@ class PlanInputs:
     gpus_per_node: int
     nodes: int
     ds: DSConfig | None = None
+    finetune: FineTuneViews | None = None  # trainable vs frozen (core/finetune.py); None = full training
     stages: list[int] = field(default_factory=list)
     offload_optimizer: str | None = None
     offload_param: str | None = None
@@ -128,7 +131,7 @@ def _check_positive(name: str, value: int | None) -> None:
 
 def build_plan_inputs(
     *,
-    model: str,
+    model: str | None = None,
     hardware: str | None = None,
     gpus: int | None = None,
     nodes: int | None = None,
@@ -147,10 +150,44 @@ def build_plan_inputs(
     stage: int | list[int] | None = None,
     optimizer_impl: str | None = None,
     expandable_segments: bool = False,
+    method: str | None = None,
+    lora_r: int | None = None,
+    lora_alpha: float | None = None,
+    lora_targets: str | None = None,
+    dora: bool = False,
+    modules_to_save: str | None = None,
+    trainable: str | None = None,
+    quant_bits: int | None = None,
+    double_quant: bool = True,
+    quant_storage: str | None = None,
+    accelerate_config: str | None = None,
+    hf_args: str | None = None,
+    axolotl: str | None = None,
+    llama_factory: str | None = None,
 ) -> PlanInputs:
     """The planning inputs. ``None`` means "not given": the DeepSpeed config's value (for
     ``seq_len``/``checkpointing``/``flash_attention`` its ``zeroplan`` block), else the default.
-    ``stage`` is one stage or a list of stages."""
+    ``stage`` is one stage or a list of stages. Fine-tuning options and training files:
+    core/finetune_inputs.py (a training file fills what the options leave unset)."""
+    ft_opts = FineTuneOptions(method=method, lora_r=lora_r, lora_alpha=lora_alpha, lora_targets=lora_targets, dora=dora,
+                              modules_to_save=modules_to_save, trainable=trainable, quant_bits=quant_bits,
+                              double_quant=double_quant, quant_storage=quant_storage)
+    tf = read_training_files({"accelerate_config": accelerate_config, "hf_args": hf_args, "axolotl": axolotl,
+                              "llama_factory": llama_factory})
+    file_notes: list[str] = []
+    if tf is not None:
+        filled = dict(model=model, gpus=gpus, nodes=nodes, precision=precision, micro_batch=micro_batch,
+                      grad_accum=grad_accum, seq_len=seq_len, checkpointing=checkpointing, optimizer=optimizer,
+                      ds_config=ds_config)
+        file_notes = fill_from_file(tf, filled)
+        model, gpus, nodes, precision = filled["model"], filled["gpus"], filled["nodes"], filled["precision"]
+        micro_batch, grad_accum, seq_len = filled["micro_batch"], filled["grad_accum"], filled["seq_len"]
+        checkpointing, optimizer, ds_config = filled["checkpointing"], filled["optimizer"], filled["ds_config"]
+        if tf.nodes is not None and gpus is not None and gpus_per_node is None and gpus % tf.nodes == 0:
+            gpus_per_node = gpus // tf.nodes
+        ft_opts.from_file = tf.finetune
+    if model is None:
+        raise InputError("--model is needed (or a training file that names the base model)")
     stage_list = None if stage is None else ([stage] if isinstance(stage, int) else list(stage))
     for name, v in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
                     ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
@@ -263,9 +300,15 @@ def build_plan_inputs(
         stages = [0, 1, 2, 3]
     if spec.approximate:
         assumptions.extend(spec.notes)
+    views, stages = resolve_finetune(spec, ft_opts, prec.name, stages,
+                                     stage_explicit=bool(stage_list) or ds is not None)
+    if not stages:
+        raise InputError(f"no ZeRO stage can run this fine-tuning: {'; '.join(ft_opts.notes)}")
+    assumptions.extend(file_notes + ft_opts.notes)
     return PlanInputs(
         spec=spec, hardware=hw, training=training, n_gpus=n_gpus, gpus_per_node=gpn, nodes=n_nodes, ds=ds,
         stages=stages, offload_optimizer=offload_optimizer, offload_param=offload_param, assumptions=assumptions,
+        finetune=views,
     )
 
 

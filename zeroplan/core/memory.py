@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from zeroplan.core.activations import ActivationBreakdown, activation_memory
 from zeroplan.core.allocator import communicators, reserved_bytes
+from zeroplan.core.finetune import FineTuneViews
 from zeroplan.core.host_memory import HostMemory, host_memory
 from zeroplan.core.layout import Layout, build_layout
 from zeroplan.core.memory_buffers import GatherPeak, phase_buffers
@@ -154,6 +155,29 @@ def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingS
     return allocated, reserved, side, od
 
 
+def _finetune_param_bytes(ft: FineTuneViews, layout: Layout, trainable_bytes: int, b_p: int, stage: int) -> int:
+    """Parameter bytes per GPU with frozen weights (core/finetune.py): stages 0–2 hold the frozen
+    weights whole beside the trainable ones; stage 3 partitions all of them. Quantised weights are
+    stored packed: ZeRO-3 partitions them as elements of ``bnb_4bit_quant_storage`` (which must be
+    the model dtype), so their share is their packed bytes over N."""
+    if stage < 3:
+        return trainable_bytes + ft.frozen_storage_bytes
+    whole = b_p * (layout.partition_3 + layout.persistent_padded)
+    if ft.quantized_params:
+        inv = ft.inventory
+        quant_bytes = ft.frozen_storage_bytes - (inv.frozen_params - ft.quantized_params) * b_p
+        whole -= (b_p * ft.quantized_params - quant_bytes) // layout.n
+    return whole
+
+
+def _finetune_note(ft: FineTuneViews, stage: int) -> str:
+    inv = ft.inventory
+    where = ("partitioned across the GPUs and gathered every micro-step" if stage == 3
+             else "held whole on every GPU, with no gradient or optimizer state")
+    return (f"{inv.method}: {inv.trainable_params:,} trainable of {inv.total_params:,} parameters "
+            f"({100 * inv.trainable_fraction:.2f}%); frozen weights ({ft.frozen_storage_bytes / 1e9:.2f} GB) {where}")
+
+
 def memory_for_stage(
     spec: ModelSpec,
     training: TrainingSetup,
@@ -164,6 +188,8 @@ def memory_for_stage(
     overhead: dict[str, Any] | None = None,
     layout: Layout | None = None,
     flavour: str = "deepspeed",
+    finetune: FineTuneViews | None = None,
+    train_layout: Layout | None = None,
 ) -> MemoryBreakdown:
     """Per-GPU memory for ``zero.stage`` on ``n_gpus`` data-parallel GPUs.
 
@@ -172,6 +198,9 @@ def memory_for_stage(
     "fragmentation_fraction"} from the hardware profile, or None (reported as 0, with a note).
     ``flavour``: "deepspeed" (what DeepSpeed 0.19.8 allocates) or "paper" (the ZeRO paper's
     accounting of model states; core/memory_states.py).
+    ``finetune`` (core/finetune.py): frozen weights and adapters; ``layout`` then holds every
+    parameter (what stage 3 partitions and gathers) and ``train_layout`` the trainable ones
+    (gradients, optimizer states, buckets, offload).
     """
     stage = int(_get(zero, "stage", 0))
     if layout is None:
@@ -180,27 +209,37 @@ def memory_for_stage(
             persistence_threshold=int(_get(zero, "param_persistence_threshold", 100_000)) if stage == 3 else 0,
             model_persistence_threshold=_get(zero, "model_persistence_threshold", None),
         )
+    if finetune is not None and train_layout is None:
+        train_layout = build_layout(
+            finetune.trainable, n_gpus,
+            persistence_threshold=int(_get(zero, "param_persistence_threshold", 100_000)) if stage == 3 else 0,
+            model_persistence_threshold=_get(zero, "model_persistence_threshold", None),
+        )
+    tl = layout if train_layout is None else train_layout
     notes: list[str] = []
     off_opt = _offload_device(zero, "offload_optimizer") if stage >= 1 else "none"
     off_par = _offload_device(zero, "offload_param") if stage == 3 else "none"
     sp = state_plan(training, stage, offload=off_opt != "none", flavour=flavour)
     if sp.note:
         notes.append(sp.note)
-    params, grads_end, opt = model_state_bytes(layout, training, stage, offload=off_opt != "none", flavour=flavour)
+    params, grads_end, opt = model_state_bytes(tl, training, stage, offload=off_opt != "none", flavour=flavour)
+    if finetune is not None:
+        params = _finetune_param_bytes(finetune, layout, params, training.precision.param_bytes, stage)
+        notes.append(_finetune_note(finetune, stage))
     model_states = params + grads_end + opt
-    host = host_memory(layout, training, zero, stage, off_opt=off_opt, off_par=off_par, gpus_per_node=gpus_per_node,
+    host = host_memory(tl, training, zero, stage, off_opt=off_opt, off_par=off_par, gpus_per_node=gpus_per_node,
                        master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes)
 
     # ---- offload: what stays on the GPU ----
     gpu_params, gpu_opt, gpu_grads_end = params, opt, grads_end
     if off_opt != "none":
         gpu_opt = 0
-        gpu_grads_end = sp.grad_bytes * layout.params if stage == 1 else 0
+        gpu_grads_end = sp.grad_bytes * tl.params if stage == 1 else 0
     if off_par != "none":
         gpu_params = training.precision.param_bytes * layout.persistent_padded
 
-    pb = phase_buffers(layout, training, zero, stage, off_opt=off_opt, grad_bytes=sp.grad_bytes,
-                       grad_end=gpu_grads_end, wrapper=sp.wrapper)
+    pb = phase_buffers(tl, training, zero, stage, off_opt=off_opt, grad_bytes=sp.grad_bytes,
+                       grad_end=gpu_grads_end, wrapper=sp.wrapper, gather_layout=layout)
     buffers = pb.detail
     # gradients that persist outside backward/step: stage 3's partition buffer and BF16_Optimizer's
     # fp32 gradients always; with gradient accumulation the previous micro-steps' gradients

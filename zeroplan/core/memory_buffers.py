@@ -105,7 +105,8 @@ def stage3_gather(layout: Layout, sched: Stage3Schedule, b_p: int, max_live: int
     return best_f, best_b
 
 
-def _stage3(pb: PhaseBuffers, layout: Layout, zero: Any, b_g: int, b_c: int, b_p: int, contiguous: bool) -> None:
+def _stage3(pb: PhaseBuffers, layout: Layout, zero: Any, b_g: int, b_c: int, b_p: int, contiguous: bool,
+            gather_layout: Layout) -> None:
     rbs = int(_get(zero, "reduce_bucket_size", 500_000_000))
     d = pb.detail
     if contiguous:
@@ -113,9 +114,11 @@ def _stage3(pb: PhaseBuffers, layout: Layout, zero: Any, b_g: int, b_c: int, b_p
     # stage3.py __reduce_and_partition_ipg_grads: reduce-scatter outputs on reduce_and_partition_stream
     d["reduce_scatter_temp"] = b_c * min(rbs, layout.padded_total_3)
     max_live = int(_get(zero, "max_live_parameters", 1_000_000_000))
-    sched = stage3_schedule(layout, max_live=max_live, prefetch_bucket=int(_get(zero, "prefetch_bucket_size", 50_000_000)),
+    # frozen parameters are partitioned and gathered like any other (core/finetune.py)
+    sched = stage3_schedule(gather_layout, max_live=max_live,
+                            prefetch_bucket=int(_get(zero, "prefetch_bucket_size", 50_000_000)),
                             max_reuse=int(_get(zero, "max_reuse_distance", 1_000_000_000)))
-    gf, gb = stage3_gather(layout, sched, b_p, max_live)
+    gf, gb = stage3_gather(gather_layout, sched, b_p, max_live)
     pb.gather_forward, pb.gather_backward = gf, gb
     if gf:
         d["gathered_params_forward"] = gf.total_bytes
@@ -207,8 +210,13 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetup, 
 
 
 def phase_buffers(layout: Layout, training: TrainingSetup, zero: Any, stage: int, *, off_opt: str, grad_bytes: int,
-                  grad_end: int, wrapper: str) -> PhaseBuffers:
-    """Every DeepSpeed buffer per phase for one stage (gradients and states excluded)."""
+                  grad_end: int, wrapper: str, gather_layout: Layout | None = None) -> PhaseBuffers:
+    """Every DeepSpeed buffer per phase for one stage (gradients and states excluded).
+
+    ``layout`` holds the trainable parameters (buckets, the step); ``gather_layout`` every
+    parameter stage 3 partitions and gathers (the same layout unless some weights are frozen).
+    """
+    gather_layout = layout if gather_layout is None else gather_layout
     prec = training.precision
     b_p, b_c = prec.param_bytes, prec.comm_bytes
     b_g = grad_bytes
@@ -217,7 +225,7 @@ def phase_buffers(layout: Layout, training: TrainingSetup, zero: Any, stage: int
     hpz = int(_get(zero, "zero_hpz_partition_size", 1) or 1)
     if stage == 3 and hpz > 1:  # ZeRO++ hpZ secondary partition: +b_p·Ψ/k per GPU
         # the group is min(hpz, world) ranks (DeepSpeed 0.19.8 utils/groups.py::_create_zero_param_parallel_group)
-        pb.detail["hpz_secondary_partition"] = b_p * (layout.padded_total_3 // min(hpz, layout.n))
+        pb.detail["hpz_secondary_partition"] = b_p * (gather_layout.padded_total_3 // min(hpz, gather_layout.n))
     if off_opt != "none" and stage in (1, 2):
         pb.detail["offload_gpu_temp_grad"] = b_g * layout.largest_tensor
     if stage == 0:
@@ -227,7 +235,7 @@ def phase_buffers(layout: Layout, training: TrainingSetup, zero: Any, stage: int
     elif stage in (1, 2):
         _stage12(pb, layout, zero, training, stage, b_g, b_c, contiguous, off_opt)
     else:
-        _stage3(pb, layout, zero, b_g, b_c, b_p, contiguous)
+        _stage3(pb, layout, zero, b_g, b_c, b_p, contiguous, gather_layout)
     if off_opt == "none":
         _step(pb, layout, zero, training, stage, b_g, grad_end, wrapper)
     return pb

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
+from zeroplan.core.finetune import FineTuneViews, ledger_layouts
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
 from zeroplan.core.layout import build_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
@@ -72,22 +73,32 @@ def evaluate(
     hardware: Any = None,
     comm_model: str = "deepspeed",
     mfu: float | None = DEFAULT_MFU,
+    finetune: FineTuneViews | None = None,
 ) -> Plan:
-    """Evaluate one ZeRO configuration (``zero``: a ZeroConfig) on ``n_gpus`` data-parallel GPUs."""
+    """Evaluate one ZeRO configuration (``zero``: a ZeroConfig) on ``n_gpus`` data-parallel GPUs.
+
+    ``finetune`` (core/finetune.py): trainable vs frozen parameters (LoRA, QLoRA, partial).
+    """
     if gpus_per_node is None:
         gpus_per_node = hardware.node.gpus_per_node if hardware is not None else n_gpus
     gpus_per_node = max(1, min(gpus_per_node, n_gpus))
     nodes = -(-n_gpus // gpus_per_node)
     stage = int(getattr(zero, "stage", 0))
-    layout = build_layout(
-        model, n_gpus,
-        persistence_threshold=int(getattr(zero, "param_persistence_threshold", 100_000)) if stage == 3 else 0,
-        model_persistence_threshold=getattr(zero, "model_persistence_threshold", None),
-    )
+    def _layout(spec: ModelSpec):
+        return build_layout(
+            spec, n_gpus,
+            persistence_threshold=int(getattr(zero, "param_persistence_threshold", 100_000)) if stage == 3 else 0,
+            model_persistence_threshold=getattr(zero, "model_persistence_threshold", None),
+        )
+
+    layout = _layout(model if finetune is None else finetune.full)
+    train_layout = None if finetune is None else _layout(finetune.trainable)
     overhead = hardware.overhead.model_dump() if hardware is not None else None
     mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout,
-                           flavour=comm_model)
-    ledger: CommLedger = build_ledger(layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model)
+                           flavour=comm_model, finetune=finetune, train_layout=train_layout)
+    led_layout, led_train = ledger_layouts(layout, train_layout, stage)
+    ledger: CommLedger = build_ledger(led_layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model,
+                                      train_layout=led_train)
     off_opt = _device(zero, "offload_optimizer") if stage >= 1 else "none"
     off_par = _device(zero, "offload_param") if stage == 3 else "none"
     comm = CommResult(

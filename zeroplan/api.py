@@ -104,7 +104,7 @@ def _estimate(opts: PlanOptions) -> tuple[EstimateResult, PlanInputs]:
     _validate_model_options(opts)
     inp = plan_inputs(opts)
     plans = [
-        evaluate(model=inp.spec, training=inp.training, zero=inp.zero(s), n_gpus=inp.n_gpus,
+        evaluate(model=inp.spec, training=inp.training, zero=inp.zero(s), n_gpus=inp.n_gpus, finetune=inp.finetune,
                  gpus_per_node=inp.gpus_per_node, hardware=inp.hardware, comm_model=opts.comm_model, mfu=opts.mfu)
         for s in inp.stages
     ]
@@ -120,6 +120,7 @@ def _estimate(opts: PlanOptions) -> tuple[EstimateResult, PlanInputs]:
         comm_model=opts.comm_model,
         assumptions=inp.assumptions,
         ds_config_findings=list(inp.ds.findings) if inp.ds is not None else [],
+        finetune=inp.finetune.inventory if inp.finetune is not None else None,
         stages=plans,
     )
     return result, inp
@@ -250,7 +251,7 @@ def read_nccl_log(file: str, plan: PlanOptions | None = None, /, *, steps: int =
     if len(inp.stages) != 1:
         raise InputError("nccl-log compares one plan: give --stage or a --ds-config with zero_optimization.stage")
     stage = inp.stages[0]
-    p = evaluate(model=inp.spec, training=inp.training, zero=inp.zero(stage), n_gpus=inp.n_gpus,
+    p = evaluate(model=inp.spec, training=inp.training, zero=inp.zero(stage), n_gpus=inp.n_gpus, finetune=inp.finetune,
                  gpus_per_node=inp.gpus_per_node, hardware=inp.hardware, comm_model=plan.comm_model, mfu=plan.mfu)
     comparison = compare_with_ledger(summary, p.comm.collectives, steps=steps,
                                      nranks=nranks if nranks is not None else inp.n_gpus)

@@ -26,7 +26,7 @@ from typing import Any, List, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 __all__ = [
-    "CommonOptions", "PlanOptions", "RecommendOptions", "CheckOptions", "ReportOptions", "default_of",
+    "FineTuneOptions", "CommonOptions", "PlanOptions", "RecommendOptions", "CheckOptions", "ReportOptions", "default_of",
     "COMM_MODELS", "FAIL_ON",
 ]
 
@@ -40,7 +40,36 @@ class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, defer_build=True)
 
 
-class CommonOptions(_Options):
+class FineTuneOptions(_Options):
+    """Fine-tuning (core/finetune_inputs.py): which parameters train, and quantised base weights.
+
+    - ``method``: full, lora or qlora (``None``: lora when LoRA settings are given, else full).
+    - ``lora_r``, ``lora_alpha``, ``lora_targets`` (PEFT module names, comma-separated, or
+      ``all-linear``; ``None``: PEFT's default for the family), ``dora``, ``modules_to_save``.
+    - ``trainable``: globs of parameter names (or ``last:K``) for partial full fine-tuning.
+    - ``quant_bits`` (4 or 8), ``double_quant``, ``quant_storage`` (bnb_4bit_quant_storage: uint8,
+      bf16, fp16; ZeRO-3 needs the model dtype): QLoRA's base weights.
+    - ``accelerate_config`` / ``hf_args`` / ``axolotl`` / ``llama_factory``: a training file that
+      fills every option left unset (the model included).
+    """
+
+    method: Optional[str] = None
+    lora_r: Optional[int] = None
+    lora_alpha: Optional[float] = None
+    lora_targets: Optional[str] = None
+    dora: bool = False
+    modules_to_save: Optional[str] = None
+    trainable: Optional[str] = None
+    quant_bits: Optional[int] = None
+    double_quant: bool = True
+    quant_storage: Optional[str] = None
+    accelerate_config: Optional[str] = None
+    hf_args: Optional[str] = None
+    axolotl: Optional[str] = None
+    llama_factory: Optional[str] = None
+
+
+class CommonOptions(FineTuneOptions):
     """Model, cluster and training: what every planning call takes.
 
     - ``model``: catalog name, Hugging Face Hub id (catalog or local cache, never downloaded),
@@ -55,7 +84,7 @@ class CommonOptions(_Options):
     - ``mfu``: a fixed model FLOPs utilisation in (0, 1]; ``None``: the compute model.
     """
 
-    model: str
+    model: Optional[str] = None  # may come from a training file (axolotl, LLaMA-Factory)
     hardware: Optional[str] = None
     gpus: Optional[int] = None
     nodes: Optional[int] = None

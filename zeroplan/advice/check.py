@@ -40,6 +40,7 @@ from zeroplan._util import InputError, display_path, expand_path, read_text_file
 from zeroplan.advice.alternatives import AdviceContext, bucket_latency_share
 from zeroplan.advice.check_rules import CHECK_RULES, capacity_rules, comm_rules, stage_rules
 from zeroplan.advice.reasons import Alternative, Quantity, Reason
+from zeroplan.core.finetune_inputs import FINETUNE_KEYS
 from zeroplan.core.inputs import build_plan_inputs
 from zeroplan.core.plan import ClusterSummary, Plan
 from zeroplan.specs.config_lines import find_key_line, key_lines
@@ -189,8 +190,12 @@ def check_config(
     max_comm_share: float = 0.5,
     min_headroom: float = 0.10,
     fail_on: str = "error",
+    **finetune: Any,
 ) -> ConfigCheck:
-    """Check one DeepSpeed config file (see the module docstring for the rules)."""
+    """Check one DeepSpeed config file (see the module docstring for the rules). ``finetune``:
+    build_plan_inputs' fine-tuning keywords (core/finetune_inputs.FINETUNE_KEYS)."""
+    if set(finetune) - set(FINETUNE_KEYS):
+        raise TypeError(f"unexpected keywords {sorted(set(finetune) - set(FINETUNE_KEYS))}")
     findings: list[LocatedFinding] = []
     if not Path(path).is_file():  # a missing path or a directory is a command-line mistake: exit 2
         read_text_file(path, "DeepSpeed config")
@@ -213,7 +218,7 @@ def check_config(
         inp = build_plan_inputs(
             model=model, hardware=hardware, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, ds_config=path,
             precision=precision, optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len,
-            grad_accum=grad_accum, checkpointing=checkpointing, flash_attention=flash_attention,
+            grad_accum=grad_accum, checkpointing=checkpointing, flash_attention=flash_attention, **finetune,
         )
     except InputError as exc:  # the CLI options were validated before: this is the file itself
         msg = str(exc)
@@ -264,7 +269,7 @@ def run_check(patterns: list[str], *, fail_on: str = "error", expand_globs: bool
         model=opts["model"], hardware=opts["hardware"], gpus=opts.get("gpus"), nodes=opts.get("nodes"),
         gpus_per_node=opts.get("gpus_per_node"), precision=opts.get("precision"), optimizer=opts.get("optimizer"),
         micro_batch=opts.get("micro_batch"), seq_len=opts.get("seq_len"), grad_accum=opts.get("grad_accum"),
-        checkpointing=opts.get("checkpointing"),
+        checkpointing=opts.get("checkpointing"), **{k: opts[k] for k in FINETUNE_KEYS if k in opts},
     )
     paths = expand_config_paths(patterns, expand_globs=expand_globs)
     files = [check_config(p, fail_on=fail_on, **opts) for p in paths]

@@ -27,6 +27,8 @@ __all__ = [
     "MicroBatch",
     "SeqLen", "GradAccum", "Checkpointing", "FlashAttention", "OffloadOptimizer", "OffloadParam", "Stage",
     "Headroom", "CommModel", "OptimizerImpl", "Mfu", "Strict", "Lenient", "Json",
+    "Method", "LoraR", "LoraAlpha", "LoraTargets", "Dora", "ModulesToSave", "Trainable", "QuantBits", "DoubleQuant",
+    "QuantStorage", "AccelerateConfig", "HfArgs", "Axolotl", "LlamaFactory",
     "DEFAULT_HEADROOM", "DEFAULT_MFU", "DEFAULT_COMM_MODEL", "DEFAULT_TOP", "DEFAULT_FAIL_ON",
     "DEFAULT_MAX_COMM_SHARE", "DEFAULT_MAX_NODES",
 ]
@@ -120,6 +122,49 @@ Lenient = Annotated[bool, typer.Option(
     help="Plan a --ds-config even when DeepSpeed would refuse it (its errors become findings, defaults used).")]
 Json = Annotated[bool, typer.Option(
     "--json/--no-json", help="Print one JSON object on stdout, nothing else.")]
+
+# ---- fine-tuning (core/finetune_inputs.py); one definition for every planning command ----
+Method = Annotated[Optional[str], typer.Option(
+    "--method", metavar="full|lora|qlora", show_default="lora when LoRA options are given, else full",
+    help="What trains: every weight, LoRA adapters, or LoRA on 4/8-bit base weights (QLoRA).")]
+LoraR = Annotated[Optional[int], typer.Option(
+    "--lora-r", metavar="R", show_default="8", help="LoRA rank (PEFT's r).")]
+LoraAlpha = Annotated[Optional[float], typer.Option(
+    "--lora-alpha", metavar="ALPHA", show_default="none",
+    help="LoRA alpha (a scale: recorded, no effect on memory).")]
+LoraTargets = Annotated[Optional[str], typer.Option(
+    "--lora-targets", metavar="NAMES|all-linear", show_default="PEFT's default for the family (llama: q_proj,v_proj)",
+    help="Modules that get adapters, as PEFT spells them: q_proj,k_proj,v_proj,o_proj,... or all-linear.")]
+Dora = Annotated[bool, typer.Option(
+    "--dora/--no-dora", help="DoRA: a magnitude vector per adapted layer on top of LoRA.")]
+ModulesToSave = Annotated[Optional[str], typer.Option(
+    "--modules-to-save", metavar="NAMES", show_default="none",
+    help="Modules trained in full beside the adapters (PEFT modules_to_save), e.g. lm_head,embed_tokens.")]
+Trainable = Annotated[Optional[str], typer.Option(
+    "--trainable", metavar="GLOBS", show_default="every parameter",
+    help="Partial fine-tuning: only parameters matching these globs train ('lm_head.*,model.layers.3*'), or last:K "
+         "for the last K layers.")]
+QuantBits = Annotated[Optional[int], typer.Option(
+    "--quant-bits", metavar="4|8", show_default="4 with --method qlora",
+    help="bitsandbytes quantisation of the frozen base weights (QLoRA).")]
+DoubleQuant = Annotated[bool, typer.Option(
+    "--double-quant/--no-double-quant",
+    help="4-bit: quantise the quantisation constants too (bnb_4bit_use_double_quant).")]
+QuantStorage = Annotated[Optional[str], typer.Option(
+    "--quant-storage", metavar="uint8|bf16|fp16", show_default="uint8",
+    help="bnb_4bit_quant_storage; ZeRO-3 needs the model dtype (bf16 for bf16 training).")]
+AccelerateConfig = Annotated[Optional[str], typer.Option(
+    "--accelerate-config", metavar="YAML", show_default="none",
+    help="Accelerate's default_config.yaml: GPUs, nodes, precision and its DeepSpeed settings.")]
+HfArgs = Annotated[Optional[str], typer.Option(
+    "--hf-args", metavar="JSON|YAML", show_default="none",
+    help="HF Trainer / TRL arguments: batch, accumulation, precision, checkpointing, max_seq_length, optim, deepspeed.")]
+Axolotl = Annotated[Optional[str], typer.Option(
+    "--axolotl", metavar="YAML", show_default="none",
+    help="An axolotl training YAML (base_model, adapter, lora_*, sequence_len, micro_batch_size, deepspeed, ...).")]
+LlamaFactory = Annotated[Optional[str], typer.Option(
+    "--llama-factory", metavar="YAML", show_default="none",
+    help="A LLaMA-Factory training YAML (model_name_or_path, finetuning_type, lora_*, quantization_bit, ...).")]
 
 
 def parse_stages(values: list[str] | None) -> list[int] | None:

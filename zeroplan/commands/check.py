@@ -8,7 +8,7 @@ import typer
 from typing_extensions import Annotated
 
 from zeroplan.commands._common import (
-    DEFAULT_COMM_MODEL, DEFAULT_FAIL_ON, DEFAULT_HEADROOM, DEFAULT_MAX_COMM_SHARE, DEFAULT_MFU, Checkpointing,
+    Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, DEFAULT_COMM_MODEL, DEFAULT_FAIL_ON, DEFAULT_HEADROOM, DEFAULT_MAX_COMM_SHARE, DEFAULT_MFU, Checkpointing,
     CommModel, FlashAttention, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, MicroBatch, Mfu, Model, Nodes,
     Optimizer, Precision, SeqLen, console, handle_errors, options_from,
 )
@@ -78,6 +78,20 @@ def register(app: typer.Typer) -> None:
         headroom: Headroom = DEFAULT_HEADROOM,
         min_headroom: Annotated[Optional[float], typer.Option(
             "--min-headroom", hidden=True, help="Old name of --headroom.")] = None,
+        method: Method = None,
+        lora_r: LoraR = None,
+        lora_alpha: LoraAlpha = None,
+        lora_targets: LoraTargets = None,
+        dora: Dora = False,
+        modules_to_save: ModulesToSave = None,
+        trainable: Trainable = None,
+        quant_bits: QuantBits = None,
+        double_quant: DoubleQuant = True,
+        quant_storage: QuantStorage = None,
+        accelerate_config: AccelerateConfig = None,
+        hf_args: HfArgs = None,
+        axolotl: Axolotl = None,
+        llama_factory: LlamaFactory = None,
         comm_model: CommModel = DEFAULT_COMM_MODEL,
         mfu: Mfu = DEFAULT_MFU,
         output: Annotated[Optional[str], typer.Option(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import typer
 
 from zeroplan.commands._common import (
+    Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
-    Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Model, Nodes, OffloadOptimizer, OffloadParam, Optimizer,
+    Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer, OffloadParam, Optimizer,
     OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
 )
 from zeroplan.options import PlanOptions
@@ -18,7 +19,7 @@ def register(app: typer.Typer) -> None:
     @app.command("estimate")
     @handle_errors
     def estimate(
-        model: Model,
+        model: OptionalModel = None,
         hardware: Hardware = None,
         gpus: Gpus = None,
         nodes: Nodes = None,
@@ -39,6 +40,20 @@ def register(app: typer.Typer) -> None:
         mfu: Mfu = DEFAULT_MFU,
         strict: Strict = False,
         lenient: Lenient = False,
+        method: Method = None,
+        lora_r: LoraR = None,
+        lora_alpha: LoraAlpha = None,
+        lora_targets: LoraTargets = None,
+        dora: Dora = False,
+        modules_to_save: ModulesToSave = None,
+        trainable: Trainable = None,
+        quant_bits: QuantBits = None,
+        double_quant: DoubleQuant = True,
+        quant_storage: QuantStorage = None,
+        accelerate_config: AccelerateConfig = None,
+        hf_args: HfArgs = None,
+        axolotl: Axolotl = None,
+        llama_factory: LlamaFactory = None,
         json_out: Json = False,
     ) -> None:
         """Per-GPU memory (by category and phase), host RAM, collectives and step time for ZeRO stages 0–3.

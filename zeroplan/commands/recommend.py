@@ -9,8 +9,9 @@ import typer
 from typing_extensions import Annotated
 
 from zeroplan.commands._common import (
+    Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, DEFAULT_TOP, Checkpointing, CommModel, DsConfig,
-    FlashAttention, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, Json, Lenient, MicroBatch, Mfu, Model, Nodes,
+    FlashAttention, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, Json, Lenient, MicroBatch, Mfu, Nodes,
     Optimizer, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
 )
 from zeroplan.options import RecommendOptions
@@ -92,7 +93,7 @@ def register(app: typer.Typer) -> None:
     @app.command("recommend")
     @handle_errors
     def recommend_cmd(
-        model: Model,
+        model: OptionalModel = None,
         hardware: Hardware = None,
         gpus: Gpus = None,
         nodes: Nodes = None,
@@ -121,6 +122,20 @@ def register(app: typer.Typer) -> None:
             "--emit-config", metavar="PATH", show_default="none",
             help="Write the chosen DeepSpeed config (JSON, atomically), with a zeroplan block recording the "
                  "sequence length and checkpointing it assumes, so `zeroplan check` reads them back.")] = None,
+        method: Method = None,
+        lora_r: LoraR = None,
+        lora_alpha: LoraAlpha = None,
+        lora_targets: LoraTargets = None,
+        dora: Dora = False,
+        modules_to_save: ModulesToSave = None,
+        trainable: Trainable = None,
+        quant_bits: QuantBits = None,
+        double_quant: DoubleQuant = True,
+        quant_storage: QuantStorage = None,
+        accelerate_config: AccelerateConfig = None,
+        hf_args: HfArgs = None,
+        axolotl: Axolotl = None,
+        llama_factory: LlamaFactory = None,
         json_out: Json = False,
     ) -> None:
         """Which ZeRO stage, offload, micro-batch, checkpointing and buckets to use on this cluster, and why.

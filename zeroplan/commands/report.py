@@ -13,10 +13,10 @@ from typing import Any, Optional
 import typer
 from typing_extensions import Annotated
 
-from zeroplan._util import InputError, validate_output_path
 from zeroplan.commands._common import (
+    Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_MAX_NODES, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention,
-    GpusPerNode, GradAccum, Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Model, Nodes, OffloadOptimizer,
+    GpusPerNode, GradAccum, Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer,
     OffloadParam, Optimizer, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from,
     print_json,
 )
@@ -53,7 +53,7 @@ def register(app: typer.Typer) -> None:
     @app.command("report")
     @handle_errors
     def report(
-        model: Model,
+        model: OptionalModel = None,
         hardware: Hardware = None,
         gpus: Gpus = None,
         nodes: Nodes = None,
@@ -82,6 +82,20 @@ def register(app: typer.Typer) -> None:
             help="Write the per-GPU memory chart alone as an SVG file.")] = None,
         max_nodes: Annotated[int, typer.Option(
             "--max-nodes", metavar="N", help="Sweeps go to this many nodes (1, 2, 4, …).")] = DEFAULT_MAX_NODES,
+        method: Method = None,
+        lora_r: LoraR = None,
+        lora_alpha: LoraAlpha = None,
+        lora_targets: LoraTargets = None,
+        dora: Dora = False,
+        modules_to_save: ModulesToSave = None,
+        trainable: Trainable = None,
+        quant_bits: QuantBits = None,
+        double_quant: DoubleQuant = True,
+        quant_storage: QuantStorage = None,
+        accelerate_config: AccelerateConfig = None,
+        hf_args: HfArgs = None,
+        axolotl: Axolotl = None,
+        llama_factory: LlamaFactory = None,
         json_out: Json = False,
     ) -> None:
         """Charts: per-GPU memory by category vs GPU memory, compute vs communication, and sweeps over

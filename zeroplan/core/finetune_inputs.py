@@ -26,7 +26,12 @@ from zeroplan.specs.finetune import ALL_LINEAR, FineTune, LoraSpec, QuantSpec
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training_files import FORMATS, TrainingFile, read_training_file
 
-__all__ = ["FineTuneOptions", "TRAINING_FILE_OPTIONS", "read_training_files", "resolve_finetune", "PEFT_DEFAULT_TARGETS"]
+# build_plan_inputs' fine-tuning keywords (the fields of the options models that carry them)
+FINETUNE_KEYS = ("method", "lora_r", "lora_alpha", "lora_targets", "dora", "modules_to_save", "trainable",
+                 "quant_bits", "double_quant", "quant_storage", "accelerate_config", "hf_args", "axolotl",
+                 "llama_factory")
+
+__all__ = ["FINETUNE_KEYS", "FineTuneOptions", "TRAINING_FILE_OPTIONS", "read_training_files", "resolve_finetune", "PEFT_DEFAULT_TARGETS"]
 
 # peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: PEFT's targets when
 # LoraConfig gets none

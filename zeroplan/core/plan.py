@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
 from zeroplan.core.finetune import FineTuneViews, ledger_layouts
+from zeroplan.specs.finetune import FineTuneInventory
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
 from zeroplan.core.layout import build_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
@@ -170,6 +171,7 @@ class EstimateResult(BaseModel):
     comm_model: str
     assumptions: list[str]
     ds_config_findings: list[Finding] = Field(default_factory=list)  # from --ds-config (DS001..DS011)
+    finetune: FineTuneInventory | None = None  # trainable / frozen / adapter counts (None: full training)
     stages: list[Plan]
 
 

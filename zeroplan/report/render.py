@@ -107,6 +107,13 @@ def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None)
         f"{t['checkpointing']}, comm model {result.comm_model}",
         markup=False,
     )
+    ft = getattr(result, "finetune", None)
+    if ft is not None:
+        targets = ", ".join(f"{x.target} ×{x.modules}" for x in ft.by_target) or "none"
+        frozen = ft.frozen_storage_bytes or 0
+        con.print(f"{ft.method}: {ft.trainable_params:,} trainable of {ft.total_params:,} parameters "
+                  f"({100 * ft.trainable_fraction:.2f}%); adapters on {targets}; frozen weights {gb(frozen)}",
+                  markup=False)
     table = Table(title="Per-GPU memory and communication per optimizer step", title_justify="left")
     table.add_column("", style="bold", no_wrap=True)
     for p in result.stages:

@@ -156,7 +156,7 @@ def build_report_data(
     def plan(stage: int, n_gpus: int, per_node: int) -> Plan:
         key = (stage, n_gpus, per_node)
         if key not in cache:
-            cache[key] = evaluate(model=inp.spec, training=inp.training, zero=inp.zero(stage), n_gpus=n_gpus,
+            cache[key] = evaluate(model=inp.spec, training=inp.training, zero=inp.zero(stage), n_gpus=n_gpus, finetune=inp.finetune,
                                   gpus_per_node=per_node, hardware=inp.hardware, comm_model=comm_model, mfu=mfu)
             if on_step is not None:
                 on_step()

@@ -339,15 +339,15 @@ def memory_for_stage(
 
     # ---- activations ----
     act = activation_memory(spec, training)
-    s, b, V = training.seq_len, training.micro_batch, spec.vocab_size
-    logits_grad = 4 * s * b * V
 
     def phase(p_params: int, p_grads: int, p_opt: int, p_buf: int, p_act: int) -> PhaseMemory:
         cats = {"params": p_params, "gradients": p_grads, "optimizer_states": p_opt, "buffers": p_buf, "activations": p_act}
         return PhaseMemory(peak=sum(cats.values()), by_category=cats)
 
-    fwd = phase(gpu_params, grads_fwd, gpu_opt, fwd_buf, act.total)
-    bwd_start = phase(gpu_params, grads_fwd, gpu_opt, bwd_buf, act.total + logits_grad + act.recompute)
+    # the activations' own forward and backward peaks (core/activations.py: with a transformers
+    # trace, the logits, their gradient and a recomputed layer are only stacked where they coexist)
+    fwd = phase(gpu_params, grads_fwd, gpu_opt, fwd_buf, act.forward_peak)
+    bwd_start = phase(gpu_params, grads_fwd, gpu_opt, bwd_buf, act.backward_peak)
     bwd_end = phase(gpu_params, gpu_grads_end, gpu_opt, bwd_buf, 0)
     bwd = bwd_start if bwd_start.peak >= bwd_end.peak else bwd_end
     stp = phase(gpu_params, gpu_grads_end, gpu_opt, step_buf, 0)

@@ -188,7 +188,9 @@ def _traced(spec: ModelSpec, training: TrainingSetup, attention: str) -> Activat
         return None  # traced with the catalog's dropout setting; another setting saves other masks
     impl = "eager" if attention == "eager" else "sdpa"  # flash-attention-2 keeps what SDPA keeps (q, k, v, out, lse)
     ckpt = "full" if training.checkpointing == "full" else "none"
-    var = fam["variants"][f"{impl}/{ckpt}"]
+    var = fam["variants"].get(f"{impl}/{ckpt}")
+    if var is None:
+        return None  # no exact linear form for this variant (the data's "unfitted" says why)
     s, b, L = training.seq_len, training.micro_batch, spec.num_layers
     feats = token_features(spec, s)
     if training.checkpointing == "selective":  # drops the attention scores: the a·s terms

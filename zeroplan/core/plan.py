@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
-from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for
+from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
 from zeroplan.core.layout import build_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
@@ -71,7 +71,7 @@ def evaluate(
     gpus_per_node: int | None = None,
     hardware: Any = None,
     comm_model: str = "deepspeed",
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = DEFAULT_MFU,
 ) -> Plan:
     """Evaluate one ZeRO configuration (``zero``: a ZeroConfig) on ``n_gpus`` data-parallel GPUs."""
     if gpus_per_node is None:
@@ -107,6 +107,8 @@ def evaluate(
         ),
         notes=list(mem.notes) + list(ledger.notes),
     )
+    if plan.deepspeed_estimator is not None:
+        plan.deepspeed_estimator.vs_peak = difference_from_peak(plan.deepspeed_estimator, mem)
     if hardware is not None:
         plan.gpu_memory_bytes = int(hardware.gpu.memory_bytes)
         plan.headroom_bytes = plan.gpu_memory_bytes - mem.peak
@@ -117,8 +119,9 @@ def evaluate(
             plan.host_fits = False
             plan.notes.append("NVMe offload exceeds the node's NVMe capacity")
         t = estimate_time(ledger, training, hardware, active_params=model.active_params, n_gpus=n_gpus,
-                          gpus_per_node=gpus_per_node, mfu=mfu)
+                          gpus_per_node=gpus_per_node, mfu=mfu, model=model)
         plan.time = t
+        plan.notes.extend(a for a in t.assumptions if a not in plan.notes)
         plan.comm.time_s = t.comm_time_s
         plan.comm.exposed_time_s = t.exposed_time_s
         plan.step_time_s = t.step_time_s

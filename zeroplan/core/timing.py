@@ -1,46 +1,47 @@
-"""Step time: α–β collective times per link tier, compute time, explicit overlap.
+"""Step time of one optimizer step: compute, collectives, overlap, and offload, each its own row.
 
-Collective time for one call (nccl-tests doc/PERFORMANCE.md conventions):
-    t = α_steps + buffer_bytes × busbw_factor(op, n) / (bandwidth_per_gpu × efficiency)
-with busbw factors all-reduce 2(n−1)/n, all-gather / reduce-scatter / all-to-all (n−1)/n,
-broadcast / reduce 1. The latency term counts ring steps: (n−1) for one-pass collectives
-and 2(n−1) for all-reduce; when the group spans nodes the intra-node hops use the intra
-link's α and the (nodes−1) inter-node hops the inter link's α. Bandwidth: a group inside one
-node uses the intra-node link; a group spanning nodes is bottlenecked by the slower of the
-two tiers: NVLink per GPU, or the node's NICs together (NCCL runs one ring per NIC, so a
-ring over all GPUs crosses each node boundary once per ring: per-GPU NIC share × GPUs per
-node); an all-to-all is limited by each GPU's own NIC share.
+- Compute: core/compute.py (FLOPs from the architecture at an achievable rate per GPU
+  generation and shape; ``--mfu`` overrides the rate).
+- Collectives: one call is timed as NCCL's tuner would run it (core/nccl_model.py: ring,
+  tree, NVLS, NVLSTree, CollNet × LL, LL128, Simple; the fastest wins), over the call's group
+  (a subgroup inside a node, the whole node, or nodes).
+- Overlap: core/overlap.py schedules each phase (prefetched gathers, gradient buckets behind
+  the next layers' backward, the step's collectives never hidden) and returns the exposed
+  time, with best (all that the phases allow hides, no slowdown) and worst (nothing hides) as a
+  bracket. Exposed communication never exceeds communication.
+- Offload is not communication. Its rows are apart: PCIe traffic between host and GPU at
+  the profile's per-GPU PCIe bandwidth; the CPU optimizer step (DeepSpeedCPUAdam) at the
+  profile's ``node.cpu_adam_params_per_s_per_core`` × the physical cores one rank gets
+  (cores per node / GPUs per node); NVMe swap traffic at the node's NVMe bandwidth shared by
+  its GPUs. All three are exposed (DeepSpeed runs the CPU step after the backward and before
+  the next forward; the swap and the copies sit on that path).
 
-Compute: 6·Ψ_active·tokens FLOPs per step (8· with full recomputation), tokens = micro
-batch × sequence × gradient-accumulation steps per GPU, over peak FLOP/s(dtype) × MFU.
-
-Overlap: collectives marked ``overlap`` can hide behind the compute of their phase
-(forward = 1/3, backward = 2/3 of the compute, +1/3 recompute with full checkpointing).
-best case: exposed = non-overlappable + max(0, overlappable − compute of that phase);
-worst case: everything exposed. ``step_time_s`` = compute + the mean of the two
-(``step_time_best_s`` / ``step_time_worst_s`` bracket it). Offload costs are exposed: PCIe
-traffic at the profile's per-GPU PCIe bandwidth, the CPU optimizer step at
-``CPU_ADAM_PARAMS_PER_S`` parameters per second per rank (an assumption), and NVMe swap traffic
-at the node's NVMe bandwidth shared by its GPUs.
+``step_time_s`` = compute + overlap slowdown + exposed comm + PCIe + CPU optimizer + NVMe.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry
+from zeroplan.core.compute import ComputeEstimate, estimate_compute, peak_flops
+from zeroplan.core.nccl_model import collective_choice
+from zeroplan.core.overlap import OVERLAP_SLOWDOWN, OVERLAP_SLOWDOWN_SOURCE, PhaseComm, schedule_overlap
 from zeroplan.specs.collectives import busbw_factor
 from zeroplan.specs.training import TrainingSetup
 
-__all__ = ["TimeEstimate", "collective_time_s", "estimate_time", "algbw_busbw", "DEFAULT_MFU"]
+__all__ = ["TimeEstimate", "collective_time_s", "estimate_time", "algbw_busbw", "DEFAULT_MFU",
+           "CPU_ADAM_PARAMS_PER_S_PER_CORE", "cpu_adam_rate"]
 
-DEFAULT_MFU = 0.4
-# CPU optimizer throughput per GPU rank (DeepSpeedCPUAdam, parameters updated per second).
-# An assumption, stated in the output: DeepSpeed reports CPU-Adam updating ~1e9 params/s on
-# a server's cores; with one rank per GPU sharing the host, 1e9 per rank is optimistic.
-CPU_ADAM_PARAMS_PER_S = 1.0e9
+DEFAULT_MFU: float | None = None  # None: the compute model (core/compute.py) sets the rate
+# DeepSpeedCPUAdam throughput per physical core when the profile gives none. ZeRO-Offload
+# (Ren et al., USENIX ATC 2021, arXiv:2101.06840, table 3, CPU-Adam latency): ~0.2-0.26 s per
+# 1B parameters for 1-10B on a DGX-2 host (2x Xeon Platinum 8168, 48 cores) -> ~8e7 per core.
+CPU_ADAM_PARAMS_PER_S_PER_CORE = 8.0e7
+CPU_ADAM_SOURCE = ("ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840, table 3): CPU-Adam ~0.2-0.26 s per 1B "
+                   "parameters on a 48-core DGX-2 host = ~8e7 params/s per core")
 
 
 def algbw_busbw(op: str, size_bytes: int, time_s: float, n: int) -> tuple[float, float]:
@@ -49,57 +50,77 @@ def algbw_busbw(op: str, size_bytes: int, time_s: float, n: int) -> tuple[float,
     return algbw, algbw * busbw_factor(op, n)
 
 
-def _steps(op: str, n: int) -> int:
-    if n <= 1:
-        return 0
-    return 2 * (n - 1) if op == "all_reduce" else n - 1
+def _group_shape(e: LedgerEntry, n_gpus: int, gpus_per_node: int) -> tuple[int, int, int]:
+    """(ranks, nodes, ranks per node) of the call's group."""
+    n = e.group_size
+    if e.group == "intra-node" or n_gpus <= gpus_per_node:
+        return n, 1, n
+    if e.group == "inter-node":
+        return n, n, 1
+    nodes = -(-n // gpus_per_node)
+    return n, nodes, min(n, gpus_per_node)
 
 
 def collective_time_s(e: LedgerEntry, hw: Any, n_gpus: int, gpus_per_node: int) -> float:
     """Seconds for ONE call of a ledger entry on profile ``hw`` (a HardwareProfile)."""
-    intra, inter = hw.intra_node, hw.inter_node
-    bw_intra = intra.bandwidth_GBps_per_gpu * 1e9 * intra.efficiency
-    bw_inter = inter.bandwidth_GBps_per_gpu * 1e9 * inter.efficiency
-    n = e.group_size
-    if e.group == "intra-node" or n_gpus <= gpus_per_node:
-        bw, lat = bw_intra, _steps(e.op, n) * intra.latency_us * 1e-6
-    elif e.group == "inter-node":
-        bw, lat = bw_inter, _steps(e.op, n) * inter.latency_us * 1e-6
-    else:
-        nodes = -(-n // gpus_per_node)
-        # NCCL spreads its rings over every NIC of a node: a ring over all GPUs is limited by
-        # the node's whole NIC bandwidth (per-GPU share × GPUs per node) or NVLink, whichever
-        # is slower. An all-to-all sends each GPU's own share through the NICs: per-GPU.
-        per_node = bw_inter * (1 if e.op == "all_to_all" else gpus_per_node)
-        bw = min(bw_intra, per_node)
-        mult = 2 if e.op == "all_reduce" else 1
-        lat = mult * ((gpus_per_node - 1) * intra.latency_us + (nodes - 1) * inter.latency_us) * 1e-6
-    return lat + e.buffer_bytes * busbw_factor(e.op, n) / bw
+    n, nodes, per = _group_shape(e, n_gpus, gpus_per_node)
+    if n <= 1:
+        return 0.0
+    return collective_choice(e.op, e.buffer_bytes, n, nodes, per, hw, all_gpus_per_node=gpus_per_node).time_s
+
+
+def cpu_adam_rate(hw: Any, gpus_per_node: int) -> tuple[float, str]:
+    """(parameters/s one rank's CPU optimizer updates, where the figure comes from)."""
+    per_core = getattr(hw.node, "cpu_adam_params_per_s_per_core", None)
+    src = "profile node.cpu_adam_params_per_s_per_core"
+    if not per_core:
+        per_core, src = CPU_ADAM_PARAMS_PER_S_PER_CORE, CPU_ADAM_SOURCE
+    cores = hw.node.cpu_cores or 2 * max(1, hw.node.gpus_per_node)
+    per_rank = max(1.0, cores / max(1, gpus_per_node))
+    return per_core * per_rank, (f"CPU-Adam {per_core:.3g} params/s per core × {per_rank:g} cores per rank "
+                                 f"({cores} cores / {gpus_per_node} GPUs) = {per_core * per_rank:.3g} params/s per rank; {src}")
 
 
 class TimeEstimate(BaseModel):
-    compute_time_s: float
+    compute_time_s: float  # compute alone (no overlap slowdown)
     comm_time_s: float  # all collectives, serialised
-    exposed_time_s: dict[str, float]  # {"best": .., "worst": ..}
-    pcie_time_s: float
-    offload_time_s: float  # CPU optimizer step + NVMe swap (exposed; 0 without offload)
+    exposed_time_s: dict[str, float]  # collectives only: {"best", "worst", "estimate"}; each <= comm_time_s
+    pcie_time_s: float  # offload copies between host and GPU (exposed)
+    cpu_optimizer_time_s: float = 0.0  # CPU optimizer step with optimizer offload (exposed)
+    nvme_time_s: float = 0.0  # NVMe swap (exposed)
+    offload_time_s: float  # CPU optimizer + NVMe (exposed; 0 without offload)
+    overlap_slowdown_s: float = 0.0  # compute lost while hidden comm shares the GPU
+    hidden_comm_s: float = 0.0  # comm that runs behind compute in the estimate
+    exposed_by_phase_s: dict[str, float] = Field(default_factory=dict)
     step_time_s: float
     step_time_best_s: float
     step_time_worst_s: float
-    comm_share: float  # exposed comm (mean of best/worst) / step time
+    comm_share: float  # exposed comm (estimate) / step time
+    offload_share: float = 0.0  # PCIe + CPU optimizer + NVMe / step time
     tokens_per_s: float  # global tokens per second
-    mfu: float
-    flops_per_step_per_gpu: float
+    mfu: float  # model FLOPs / (compute time × peak): the compute model's rate (or --mfu)
+    mfu_source: str = ""
+    achieved_mfu: float = 0.0  # model FLOPs / (step time × peak), communication included
+    flops_per_step_per_gpu: float  # model FLOPs (no recomputation)
+    compute: ComputeEstimate | None = None
     time_by_phase_s: dict[str, float]  # collective time per phase
+    algorithms: dict[str, str] = Field(default_factory=dict)  # op -> "ring/Simple" for the largest call
+    cpu_adam_params_per_s: float | None = None
+    assumptions: list[str] = Field(default_factory=list)
 
 
-def _peak_flops(hw: Any, training: TrainingSetup) -> float:
-    flops = hw.gpu.peak_flops
-    want = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[training.precision.name]
-    for k in (want, "tf32" if want == "fp32" else want, "bf16"):
-        if k in flops and flops[k] > 0:
-            return float(flops[k])
-    return float(max(flops.values()))
+def _legacy_compute(active_params: int, training: TrainingSetup, hw: Any, mfu: float | None) -> ComputeEstimate:
+    """Without an architecture: 6·Ψ·tokens (8· with full recomputation) at ``mfu`` (0.4 if none)."""
+    tokens = training.micro_batch * training.seq_len * training.grad_accum
+    model = 6.0 * active_params * tokens
+    hard = model * (8 / 6 if training.checkpointing == "full" else 1)
+    peak = peak_flops(hw, training)
+    rate = 0.4 if mfu is None else mfu
+    t = model / (peak * rate)
+    return ComputeEstimate(time_s=t, model_flops=model, hardware_flops=hard, attention_share=0.0, peak_flops=peak,
+                           mfu=rate, source=f"6Ψ per token at MFU {rate:g} (no architecture given)",
+                           generation="unknown", forward_time_s=t * (2 / 6 if training.checkpointing != "full" else 4 / 8),
+                           backward_time_s=t * (4 / 6 if training.checkpointing != "full" else 4 / 8))
 
 
 def estimate_time(
@@ -110,54 +131,90 @@ def estimate_time(
     active_params: int,
     n_gpus: int,
     gpus_per_node: int,
-    mfu: float = DEFAULT_MFU,
+    mfu: float | None = DEFAULT_MFU,
+    model: Any = None,
 ) -> TimeEstimate:
-    tokens = training.micro_batch * training.seq_len * training.grad_accum
-    factor = 8 if training.checkpointing == "full" else 6
-    flops = factor * active_params * tokens
-    compute = flops / (_peak_flops(hw, training) * mfu)
-    fwd_c = compute * 2 / factor
-    bwd_c = compute - fwd_c
-
+    comp = estimate_compute(model, training, hw, mfu=mfu) if model is not None else \
+        _legacy_compute(active_params, training, hw, mfu)
+    compute = comp.time_s
+    gas = training.grad_accum
+    phases = {"forward": PhaseComm(), "backward": PhaseComm(), "step": PhaseComm()}
     by_phase = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-    over = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    algos: dict[str, tuple[int, str]] = {}
     comm = 0.0
+    first_gather = {"forward": None, "backward": None}
+    last_bucket = 0.0
     for e in ledger.collectives:
-        t = e.count * collective_time_s(e, hw, n_gpus, gpus_per_node)
+        one = collective_time_s(e, hw, n_gpus, gpus_per_node)
+        t = e.count * one
         comm += t
         by_phase[e.phase] += t
-        if e.overlap:
-            over[e.phase] += t
-    non_over = comm - sum(over.values())
-    best = non_over + max(0.0, over["forward"] - fwd_c) + max(0.0, over["backward"] - bwd_c) + over["step"]
-    worst = comm
+        pc = phases[e.phase]
+        if e.overlap and e.phase != "step":
+            pc.overlappable_s += t
+            if e.op == "all_gather" and first_gather[e.phase] is None:
+                first_gather[e.phase] = one
+            if e.op != "all_gather":
+                last_bucket = one  # the ledger lists buckets in issue order
+        else:
+            pc.serial_s += t
+        n, nodes, per = _group_shape(e, n_gpus, gpus_per_node)
+        if n > 1 and (e.op not in algos or e.buffer_bytes > algos[e.op][0]):
+            ch = collective_choice(e.op, e.buffer_bytes, n, nodes, per, hw, all_gpus_per_node=gpus_per_node)
+            algos[e.op] = (e.buffer_bytes, f"{ch.algorithm}/{ch.protocol}")
+    per_micro = 1 / max(1, gas)
+    for ph in ("forward", "backward"):
+        if first_gather[ph] is not None:
+            phases[ph].first_s = min(phases[ph].overlappable_s * per_micro, first_gather[ph]) * gas
+    phases["backward"].last_s = min(phases["backward"].overlappable_s * per_micro, last_bucket) * gas
+    ov = schedule_overlap(phases, {"forward": comp.forward_time_s, "backward": comp.backward_time_s})
+
     pcie_bw = hw.node.pcie_bandwidth_GBps_per_gpu * 1e9
     pcie = sum(p.bytes_per_step for p in ledger.pcie) / pcie_bw if ledger.pcie else 0.0
-    offload = 0.0
+    cpu_opt = 0.0
+    rate = None
+    assumptions = [f"compute: {comp.source}"]
     if ledger.cpu_optimizer_params_per_gpu:
-        offload += ledger.cpu_optimizer_params_per_gpu / CPU_ADAM_PARAMS_PER_S
-    nvme = ledger.nvme_bytes_per_gpu_per_step + sum(p.bytes_per_step for p in ledger.pcie if p.source == "nvme")
-    if nvme:
+        rate, rate_src = cpu_adam_rate(hw, min(gpus_per_node, n_gpus))
+        cpu_opt = ledger.cpu_optimizer_params_per_gpu / rate
+        assumptions.append(rate_src)
+    nvme = 0.0
+    nvme_bytes = ledger.nvme_bytes_per_gpu_per_step + sum(p.bytes_per_step for p in ledger.pcie if p.source == "nvme")
+    if nvme_bytes:
         nvme_bw = hw.node.nvme_bandwidth_GBps * 1e9 / max(1, min(gpus_per_node, n_gpus))
-        offload += nvme / nvme_bw
-    best += pcie + offload
-    worst += pcie + offload
-    step_best = compute + best
-    step_worst = compute + worst
-    step = compute + (best + worst) / 2
-    exposed_mean = (best + worst) / 2
+        nvme = nvme_bytes / nvme_bw if nvme_bw > 0 else 0.0
+    if ov.hidden_s:
+        assumptions.append(f"overlap: hidden communication slows compute by {OVERLAP_SLOWDOWN:.0%} of its time "
+                           f"({OVERLAP_SLOWDOWN_SOURCE})")
+    off = pcie + cpu_opt + nvme
+    step = compute + ov.slowdown_s + ov.exposed_s + off
+    step_best = compute + ov.best_s + off
+    step_worst = compute + ov.worst_s + off
+    tokens = training.micro_batch * training.seq_len * training.grad_accum
     return TimeEstimate(
         compute_time_s=compute,
         comm_time_s=comm,
-        exposed_time_s={"best": best, "worst": worst},
+        exposed_time_s={"best": ov.best_s, "worst": ov.worst_s, "estimate": ov.exposed_s},
         pcie_time_s=pcie,
-        offload_time_s=offload,
+        cpu_optimizer_time_s=cpu_opt,
+        nvme_time_s=nvme,
+        offload_time_s=cpu_opt + nvme,
+        overlap_slowdown_s=ov.slowdown_s,
+        hidden_comm_s=ov.hidden_s,
+        exposed_by_phase_s=ov.by_phase_exposed_s,
         step_time_s=step,
         step_time_best_s=step_best,
         step_time_worst_s=step_worst,
-        comm_share=exposed_mean / step if step > 0 else 0.0,
+        comm_share=ov.exposed_s / step if step > 0 else 0.0,
+        offload_share=off / step if step > 0 else 0.0,
         tokens_per_s=tokens * n_gpus / step if step > 0 else 0.0,
-        mfu=mfu,
-        flops_per_step_per_gpu=float(flops),
+        mfu=comp.mfu,
+        mfu_source=comp.source,
+        achieved_mfu=comp.model_flops / (step * comp.peak_flops) if step > 0 else 0.0,
+        flops_per_step_per_gpu=comp.model_flops,
+        compute=comp,
         time_by_phase_s=by_phase,
+        algorithms={k: v[1] for k, v in algos.items()},
+        cpu_adam_params_per_s=rate,
+        assumptions=assumptions,
     )

@@ -8,6 +8,9 @@ lower-case beyond the GPU's capacity, ``|`` at the capacity.
 
 Both renderers accept an ``EstimateResult`` (anything with ``.stages``, a list of Plans) or a
 plain list of Plans.
+
+Lazy import: ``rich.text`` inside each renderer, so that importing this module (the HTML report
+reads its category and colour tables) does not import rich.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from zeroplan._util import GB
 __all__ = [
     "MEMORY_CATEGORIES",
     "TIME_PARTS",
+    "time_parts",
     "render_memory_bars",
     "memory_at_peak",
     "render_time_bars",
@@ -49,9 +53,12 @@ MEMORY_CATEGORIES: tuple[_Part, ...] = (
 )
 
 TIME_PARTS: tuple[_Part, ...] = (
-    _Part("compute", "compute", "#59a14f", "green", "C"),
-    _Part("exposed_best", "exposed comm (best case)", "#e15759", "red", "E"),
-    _Part("worst_extra", "extra exposed comm in the worst case", "#f28e2b", "yellow", "w"),
+    _Part("compute", "compute (with overlap slowdown)", "#59a14f", "green", "C"),
+    _Part("exposed_comm", "exposed comm (schedule)", "#e15759", "red", "E"),
+    _Part("pcie", "offload PCIe copies", "#4e79a7", "blue", "P"),
+    _Part("cpu_optimizer", "CPU optimizer step", "#b07aa1", "magenta", "O"),
+    _Part("nvme", "NVMe swap", "#9c755f", "bright_black", "N"),
+    _Part("worst_extra", "extra exposed comm if nothing overlaps", "#f28e2b", "yellow", "w"),
 )
 
 # Axis of the memory chart: at most this many GPU capacities wide, so one huge ZeRO-0 bar does
@@ -79,13 +86,15 @@ def memory_at_peak(p: Any) -> dict[str, int]:
     return out
 
 
-def stage_label(p: Any) -> str:
-    """'ZeRO-3', 'ZeRO-3 (opt→cpu, param→nvme)' — ASCII arrows when ``ascii`` output is needed."""
+def stage_label(p: Any, ascii_only: bool = False) -> str:
+    """'ZeRO-3', 'ZeRO-3 (opt→cpu, param→nvme)' — ASCII arrows (``->``) only when ``ascii_only``
+    (a console that cannot show them); the terminal table, recommend and the HTML all use →."""
+    arrow = "->" if ascii_only else "→"
     extra = []
     if p.offload_optimizer != "none":
-        extra.append(f"opt->{p.offload_optimizer}")
+        extra.append(f"opt{arrow}{p.offload_optimizer}")
     if p.offload_param != "none":
-        extra.append(f"param->{p.offload_param}")
+        extra.append(f"param{arrow}{p.offload_param}")
     return f"ZeRO-{p.stage}" + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -180,7 +189,7 @@ def render_memory_bars(con: Any, result: Any, *, title: str | None = None) -> No
     if capacity:
         axis_max = min(axis_max, _MAX_CAPACITIES_ON_AXIS * capacity)
         axis_max = max(axis_max, 1.15 * capacity)
-    labels = [stage_label(p) for p in plans]
+    labels = [stage_label(p, ascii_only) for p in plans]
     suffixes = []
     for p in plans:
         s = _gb_text(p.memory.peak)
@@ -245,13 +254,22 @@ def render_memory_bars(con: Any, result: Any, *, title: str | None = None) -> No
     con.print(Text(" " * (label_w + 2) + "; ".join(notes), style="dim"))
 
 
+def time_parts(t: Any) -> list[float]:
+    """Seconds per TIME_PARTS entry for a TimeEstimate: the first five add up to the estimate
+    (``step_time_s``); with the last (what no overlap at all adds) they add up to the worst case."""
+    exp = t.exposed_time_s
+    est = float(exp.get("estimate", (exp["best"] + exp["worst"]) / 2))
+    slow = float(getattr(t, "overlap_slowdown_s", 0.0))
+    return [float(t.compute_time_s) + slow, est, float(getattr(t, "pcie_time_s", 0.0)),
+            float(getattr(t, "cpu_optimizer_time_s", 0.0)), float(getattr(t, "nvme_time_s", 0.0)),
+            max(0.0, float(exp["worst"]) - est - slow)]
+
+
 def _time_values(p: Any) -> list[float] | None:
     t = getattr(p, "time", None)
     if t is None:
         return None
-    best = float(t.exposed_time_s["best"])
-    worst = float(t.exposed_time_s["worst"])
-    return [float(t.compute_time_s), best, max(0.0, worst - best)]
+    return time_parts(t)
 
 
 def _sec(t: float) -> str:
@@ -272,11 +290,10 @@ def _time_suffix(p: Any) -> str:
 
 
 def render_time_bars(con: Any, result: Any, *, title: str | None = None) -> None:
-    """Stacked bars of one optimizer step per stage: compute, exposed comm in the best case
-    (overlap as far as the phases allow), and the extra exposed comm of the worst case (no
-    overlap). The whole bar is the worst-case step; the estimate (``step_time_s``) is the mean
-    of best and worst and is printed with the comm share. Nothing is drawn without a hardware
-    profile (no times)."""
+    """Stacked bars of one optimizer step per stage: compute, exposed comm as the overlap
+    schedule leaves it, offload PCIe copies, the CPU optimizer step and NVMe swap (together the
+    estimate, ``step_time_s``), then the extra exposed comm of the worst case (no overlap).
+    Nothing is drawn without a hardware profile (no times)."""
     from rich.text import Text
 
     plans = _plans(result)
@@ -287,10 +304,10 @@ def render_time_bars(con: Any, result: Any, *, title: str | None = None) -> None
         return
     ascii_only = use_ascii(con)
     axis_max = max(sum(v) for _, v in rows) or 1.0
-    labels = [stage_label(p) for p, _ in rows]
+    labels = [stage_label(p, ascii_only) for p, _ in rows]
     suffixes = [_time_suffix(p) for p, _ in rows]
     label_w, bar_w, wrap = _layout(con, labels, suffixes)
-    con.print(Text(title or "Time per optimizer step: compute vs exposed communication (seconds)", style="bold"))
+    con.print(Text(title or "Time per optimizer step: compute, exposed communication, offload (seconds)", style="bold"))
     for (p, values), label, suffix in zip(rows, labels, suffixes):
         cells = _scale_cells(values, axis_max, bar_w)
         line = Text(label.ljust(label_w) + "  ")
@@ -308,7 +325,10 @@ def render_time_bars(con: Any, result: Any, *, title: str | None = None) -> None
     for row in _axis_line(label_w, bar_w, axis_max, _sec, ascii_only):
         con.print(Text(row, style="dim"), no_wrap=True, overflow="crop")
     legend = Text(" " * (label_w + 2))
-    for part in TIME_PARTS:
+    used = [any(v[i] > 0 for _, v in rows) for i in range(len(TIME_PARTS))]
+    for part, on in zip(TIME_PARTS, used):
+        if not on:
+            continue
         if ascii_only:
             legend.append(f"{part.letter}={part.label}  ")
         else:

@@ -76,6 +76,9 @@ class NodeSpec(_Strict):
     nvme_bandwidth_GBps: float  # aggregate local NVMe per node, 1e9 B/s (0 = none)
     nvme_capacity_bytes: int  # aggregate local NVMe per node (0 = none)
     cpu_cores: int | None = None  # physical cores per node
+    # DeepSpeedCPUAdam parameters updated per second per physical core (AVX-512/AVX2 build);
+    # the CPU-optimizer step time with optimizer offload = partition / (rate × cores per rank)
+    cpu_adam_params_per_s_per_core: float | None = None
 
 
 class LinkSpec(_Strict):
@@ -85,6 +88,12 @@ class LinkSpec(_Strict):
     bandwidth_GBps_per_gpu: float  # unidirectional 1e9 B/s available per GPU on this tier
     latency_us: float  # per collective step (alpha)
     efficiency: float  # achievable fraction of bandwidth_GBps_per_gpu, 0 < e <= 1
+    # NCCL algorithms this tier offers (core/nccl_model.py): "ring", "tree", "nvls" (NVLink
+    # SHARP, NVSwitch gen 3+), "collnet" (IB SHARP); None = ring and tree
+    algorithms: list[str] | None = None
+    # full-mesh links (AMD xGMI): GB/s per direction of ONE GPU-to-GPU link; a group of k GPUs
+    # inside the node gets (k - 1) links, not the whole-node figure
+    mesh_link_GBps: float | None = None
 
     @property
     def effective_GBps_per_gpu(self) -> float:
@@ -149,6 +158,9 @@ _BOUNDS: dict[str, tuple[float, float, str, str, bool]] = {
     "node.nvme_capacity_bytes": (GB, 10**16, "1 GB to 10 PB per node in bytes, or 0 for no NVMe",
                                  "bytes, not GB or TB?", True),
     "node.cpu_cores": (1, 10000, "1 to 10000 physical cores", "", False),
+    "node.cpu_adam_params_per_s_per_core": (1e5, 1e9, "1e5 to 1e9 parameters/s per core",
+                                            "parameters per second per core, not per node?", False),
+    "intra_node.mesh_link_GBps": (0.1, 1000, "0.1 to 1000 GB/s per link", _UNIT_HINT, False),
     "intra_node.bandwidth_GBps_per_gpu": (0.01, 2000, "0.01 to 2000 GB/s per GPU", _UNIT_HINT, False),
     # The fastest NICs today are 800 Gb/s = 100 GB/s per GPU; 200 leaves headroom and
     # rejects a per-node or Gb/s figure written as per-GPU GB/s (400, 1600, 3200).
@@ -160,6 +172,7 @@ _BOUNDS: dict[str, tuple[float, float, str, str, bool]] = {
     "overhead.cuda_context_bytes": (0, 16 * GiB, "0 to 16 GiB, in bytes", "bytes, not MiB or GiB?", True),
     "overhead.nccl_bytes": (0, 16 * GiB, "0 to 16 GiB, in bytes", "bytes, not MiB or GiB?", True),
 }
+_NCCL_ALGORITHMS = ("ring", "tree", "nvls", "collnet")
 _FRACTIONS = {
     "intra_node.efficiency": (False, "a fraction in (0, 1], e.g. 0.8 for 80%"),
     "inter_node.efficiency": (False, "a fraction in (0, 1], e.g. 0.8 for 80%"),
@@ -246,6 +259,15 @@ def validate_profile(profile: HardwareProfile, where: str | None = None) -> Hard
     }
     if profile.node.cpu_cores is not None:
         values["node.cpu_cores"] = profile.node.cpu_cores
+    if profile.node.cpu_adam_params_per_s_per_core is not None:
+        values["node.cpu_adam_params_per_s_per_core"] = profile.node.cpu_adam_params_per_s_per_core
+    if profile.intra_node.mesh_link_GBps is not None:
+        values["intra_node.mesh_link_GBps"] = profile.intra_node.mesh_link_GBps
+    for tier in ("intra_node", "inter_node"):
+        for algo in getattr(profile, tier).algorithms or []:
+            if algo not in _NCCL_ALGORITHMS:
+                raise InputError(f"{w}: key {tier}.algorithms = {algo!r} is not an NCCL algorithm; expected some of "
+                                 + ", ".join(_NCCL_ALGORITHMS))
     for k, v in flops.items():
         values[f"gpu.peak_flops.{k}"] = v
     for key, v in values.items():
@@ -481,6 +503,8 @@ def _toml_value(v: Any) -> str:
         return _toml_float(v)
     if isinstance(v, str):
         return _toml_str(v)
+    if isinstance(v, (list, tuple)):  # e.g. the NCCL algorithms a link offers
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 

@@ -1,0 +1,195 @@
+"""Compute time of one optimizer step: FLOPs counted from the architecture, run at an
+achievable rate that depends on the GPU generation and the shapes of the work.
+
+FLOPs per token (the PaLM / Megatron-LM convention, Korthikanti et al. 2022; llm-foundry's
+``scripts/train/benchmarking/README.md`` uses the same): every weight of a matmul costs
+2 FLOPs per token forward and 4 backward (6 in all), counted over the matmuls one token
+actually passes through:
+- attention projections: q and o are h × (heads · head_dim), k and v are h × (kv_heads ·
+  head_dim) (grouped-query attention shrinks k/v, not q/o);
+- MLP: 3 matrices h × ffn when gated (SwiGLU), 2 otherwise; MoE: the router plus
+  ``experts_per_token`` experts, not all of them;
+- the logits: h × vocab (also when the head is tied to the embedding: the matmul runs);
+- attention scores and values: 2 · 2 · s · (heads · head_dim) forward per token and layer
+  (Q·Kᵀ and P·V over the whole sequence, without the causal half counted off, as published MFU
+  tables count it), 3× for forward + backward: 12 · L · (heads·head_dim) · s.
+Full activation checkpointing runs the forward once more (+1/3 of the matmul work, and the
+attention forward again); selective checkpointing recomputes the attention core only.
+``model_flops`` is the work without recomputation (what MFU divides by), ``hardware_flops``
+with it (what the GPU runs).
+
+Rate: matmuls at ``peak × gemm_fraction(generation) × shape factor``; attention at
+``peak × attention_fraction`` (FlashAttention kernels; without FlashAttention at a lower
+fraction); the element-wise and normalisation work, which is bound by memory bandwidth, at
+``HBM bandwidth × HBM_EFFICIENCY`` for a byte count per token and layer (below). The shape
+factor is m / (m + GEMM_HALF_DIM) for the smallest of (micro-batch × sequence, hidden size):
+small matmuls do not fill the GPU's tiles and waves. The per-generation fractions are the
+table ``GENERATIONS``, each with its source. ``--mfu`` overrides all of it: compute time =
+model FLOPs / (peak × mfu).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from zeroplan.specs.training import TrainingSetup
+
+__all__ = ["ComputeEstimate", "GENERATIONS", "Generation", "flops_per_token", "gpu_generation", "estimate_compute",
+           "peak_flops"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    name: str
+    gemm_fraction: float  # of dense peak reached by the training matmuls, end to end
+    attention_fraction: float  # of dense peak reached by FlashAttention forward + backward
+    source: str
+
+
+# Achievable fractions of dense peak. Each is a published measurement, stated as such.
+GENERATIONS: dict[str, Generation] = {
+    "hopper": Generation(
+        "Hopper (H100/H200/GH200)", 0.56, 0.36,
+        "matmuls: llm-foundry MPT bf16 on H100 reaches 46% MFU at 7B, seq 2048, without checkpointing (its "
+        "benchmarking README) with the element-wise work below counted apart; attention: FlashAttention-2 "
+        "forward+backward reaches ~335-350 TFLOP/s on H100 SXM5 at head dim 128 (Dao 2023, arXiv:2307.08691, "
+        "fig. 'Attention forward + backward speed on H100'), 0.35 of 989 TFLOP/s"),
+    "ampere": Generation(
+        "Ampere (A100)", 0.70, 0.55,
+        "matmuls: Megatron-LM reaches 52-57% of A100 peak (model FLOPs with recomputation; Narayanan et al. "
+        "2021, arXiv:2104.04473, table 1) and llm-foundry MPT on A100 80GB ~55-60% MFU (its benchmarking "
+        "README); attention: FlashAttention-2 forward+backward ~170-190 TFLOP/s causal at head dim 128 on "
+        "A100 80GB (arXiv:2307.08691, fig. 4), 0.55-0.6 of 312"),
+    "volta": Generation(
+        "Volta (V100)", 0.50, 0.25,
+        "ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054, fig. 2): ZeRO-100B runs at ~38-48 TFLOP/s per V100 "
+        "(0.30-0.38 of 125 TFLOP/s fp16) end to end including communication; matmul fraction 0.5 for the "
+        "compute alone; no FlashAttention on Volta: attention at 0.25"),
+    "ada": Generation(
+        "Ada/Ampere workstation (L40S, RTX 4090, A10G)", 0.55, 0.35,
+        "rule: GDDR parts sustain a smaller share of their tensor peak than HBM parts; taken between Ampere and "
+        "Hopper datacenter parts, not measured"),
+    "cdna3": Generation(
+        "CDNA3 (MI300X)", 0.40, 0.25,
+        "AMD MI300X: large bf16 GEMMs reach ~500-600 TFLOP/s of 1307 (rocBLAS/hipBLASLt results reported in "
+        "SemiAnalysis 'MI300X vs H100' training benchmarks, Dec 2024) -> ~0.4"),
+}
+_DEFAULT_GEN = "ampere"
+
+# Bytes of memory-bound (element-wise, normalisation, rotary, residual, activation function,
+# softmax-free since attention is fused) traffic per token per layer, forward + backward, in
+# units of (hidden size × activation bytes). Counted for a pre-norm decoder block: 2 norms
+# (read+write, backward twice), 2 residual adds (3 reads/writes), the MLP activation on
+# 2-3 × ffn elements, rotary on q/k; ~14 h forward, ~2× that backward: 42.
+ELEMENTWISE_H_PER_TOKEN_LAYER = 42
+HBM_EFFICIENCY = 0.8  # of hbm_bandwidth_GBps reached by streaming kernels (STREAM-like copy on HBM2e/HBM3)
+GEMM_HALF_DIM = 128  # a matmul dimension of this size runs at half the large-shape rate (one 128-wide tile)
+
+
+def gpu_generation(gpu_name: str) -> str:
+    n = gpu_name.upper()
+    if any(k in n for k in ("H100", "H200", "GH200", "H800", "H20")):
+        return "hopper"
+    if "MI300" in n or "MI325" in n:
+        return "cdna3"
+    if "V100" in n:
+        return "volta"
+    if any(k in n for k in ("L40", "4090", "A10G", "A10 ", "L4", "A6000", "3090")) or n.endswith("A10"):
+        return "ada"
+    if "A100" in n or "A800" in n:
+        return "ampere"
+    return _DEFAULT_GEN
+
+
+def peak_flops(hw: Any, training: TrainingSetup) -> float:
+    """Dense peak FLOP/s of the profile's GPU for the training dtype (fp32 trains on TF32 cores)."""
+    flops = hw.gpu.peak_flops
+    want = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}.get(training.precision.name, "bf16")
+    for k in (want, "tf32" if want == "fp32" else want, "bf16"):
+        if k in flops and flops[k] > 0:
+            return float(flops[k])
+    return float(max(flops.values()))
+
+
+def flops_per_token(model: Any, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token by part: matmul weights (2 per weight) and attention core."""
+    h = model.hidden_size
+    qd = model.num_attention_heads * model.head_dim
+    kvd = model.num_key_value_heads * model.head_dim
+    L = model.num_layers
+    attn_proj = 2 * h * qd + 2 * h * kvd
+    n_mlp = 3 if model.gated_mlp else 2
+    if model.num_experts:
+        mlp = n_mlp * h * model.intermediate_size * max(1, model.experts_per_token) + h * model.num_experts
+    else:
+        mlp = n_mlp * h * model.intermediate_size
+    matmul_weights = L * (attn_proj + mlp) + h * model.vocab_size
+    return {
+        "matmul": 2.0 * matmul_weights,
+        "logits": 2.0 * h * model.vocab_size,
+        "attention": 4.0 * L * qd * seq_len,
+        "layers": float(L),
+    }
+
+
+class ComputeEstimate(BaseModel):
+    """Compute time of one optimizer step per GPU and how it was derived (quotable fields)."""
+
+    time_s: float
+    model_flops: float  # per GPU per step, without recomputation (what MFU divides by)
+    hardware_flops: float  # with recomputation
+    attention_share: float  # of model FLOPs
+    peak_flops: float
+    mfu: float  # model FLOPs / (time × peak): the achieved fraction this estimate implies
+    source: str  # where the rate came from ("--mfu override" or the generation's source)
+    generation: str
+    gemm_fraction: float | None = None
+    attention_fraction: float | None = None
+    shape_factor: float | None = None
+    elementwise_time_s: float = 0.0
+    forward_time_s: float = 0.0  # the forward pass (incl. recomputation when checkpointing) of all micro-steps
+    backward_time_s: float = 0.0
+
+
+def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float | None = None) -> ComputeEstimate:
+    """Compute time for ``grad_accum`` micro-steps of ``micro_batch × seq_len`` tokens on one GPU."""
+    tokens = training.micro_batch * training.seq_len * training.grad_accum
+    f = flops_per_token(model, training.seq_len)
+    fwd_mm, fwd_att = f["matmul"] * tokens, f["attention"] * tokens
+    model_flops = 3 * (fwd_mm + fwd_att)
+    ck = training.checkpointing
+    re_mm = fwd_mm if ck == "full" else 0.0
+    re_att = fwd_att if ck in ("full", "selective") else 0.0
+    hardware_flops = model_flops + re_mm + re_att
+    peak = peak_flops(hw, training)
+    gen_key = gpu_generation(hw.gpu.name)
+    gen = GENERATIONS[gen_key]
+    fwd_share = (fwd_mm + fwd_att + re_mm + re_att) / hardware_flops if hardware_flops else 1 / 3
+    if mfu is not None:
+        t = model_flops / (peak * mfu)
+        return ComputeEstimate(
+            time_s=t, model_flops=model_flops, hardware_flops=hardware_flops,
+            attention_share=3 * fwd_att / model_flops if model_flops else 0.0, peak_flops=peak, mfu=mfu,
+            source=f"--mfu {mfu:g} (override)", generation=gen.name,
+            forward_time_s=t * fwd_share, backward_time_s=t * (1 - fwd_share))
+    m_tokens = training.micro_batch * training.seq_len
+    small = min(m_tokens, model.hidden_size)
+    shape = small / (small + GEMM_HALF_DIM)
+    att_frac = gen.attention_fraction * (1.0 if training.flash_attention else 0.5)
+    t_mm = (3 * fwd_mm + re_mm) / (peak * gen.gemm_fraction * shape)
+    t_att = (3 * fwd_att + re_att) / (peak * att_frac)
+    ew_bytes = ELEMENTWISE_H_PER_TOKEN_LAYER * model.hidden_size * training.precision.activation_bytes \
+        * f["layers"] * tokens * (4 / 3 if ck == "full" else 1.0)
+    t_ew = ew_bytes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
+    t = t_mm + t_att + t_ew
+    return ComputeEstimate(
+        time_s=t, model_flops=model_flops, hardware_flops=hardware_flops,
+        attention_share=3 * fwd_att / model_flops if model_flops else 0.0, peak_flops=peak,
+        mfu=model_flops / (t * peak) if t > 0 else 0.0,
+        source=f"compute model: {gen.name} matmuls at {gen.gemm_fraction:.2f} of peak × shape {shape:.2f}, "
+               f"attention at {att_frac:.2f}, element-wise at {HBM_EFFICIENCY:.0%} of HBM bandwidth ({gen.source})",
+        generation=gen.name, gemm_fraction=gen.gemm_fraction, attention_fraction=att_frac, shape_factor=shape,
+        elementwise_time_s=t_ew, forward_time_s=t * fwd_share, backward_time_s=t * (1 - fwd_share))

@@ -266,7 +266,7 @@ def held_out(family: str) -> Any:
 
 
 HELD_OUT_SEQ = 71
-EXTRA_SEQ = 73  # a third length at the catalog shape separates per-sequence, per-token and s² terms
+EXTRA_SEQ = 79  # a third length at the catalog shape separates per-sequence, per-token and s² terms
 
 
 def predict(coef: dict[str, int | float], spec: Any, seq: int) -> int:
@@ -382,7 +382,7 @@ def generate(families: list[str], log: Any = print) -> dict[str, Any]:
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__.split("+")[0],
         "dtypes": ["bf16", "fp16"],
-        "features": "bytes per token: tok=1, s=seq, h, q=a*head_dim, kv=kv_heads*head_dim, hd=head_dim, ffn, a, "
+        "features": "bytes per token: tok=1, s=seq, h, q=a*head_dim, kv=kv_heads*head_dim, hd=head_dim, rot=rotary dims, ffn, a, "
                     "as=a*seq, V, E, kh=k*h, kffn=k*ffn (k=experts per token); const = bytes per sequence",
         "families": {f: fit_family(f, log) for f in families},
     }

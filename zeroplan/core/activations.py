@@ -90,6 +90,8 @@ def token_features(spec: ModelSpec, seq_len: int) -> dict[str, int]:
         "ffn": spec.intermediate_size,
         "a": a,
         "hd": hd,
+        # rotary width (phi: partial_rotary_factor, truncated as transformers' rope init does)
+        "rot": int(hd * float((spec.hf_config or {}).get("partial_rotary_factor") or 1.0)),
         "as": a * seq_len,
         "V": spec.vocab_size,
         "E": spec.num_experts,

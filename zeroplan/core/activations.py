@@ -193,6 +193,10 @@ def _traced(spec: ModelSpec, training: TrainingSetup, attention: str) -> Activat
     var = fam["variants"].get(f"{impl}/{ckpt}")
     if var is None:
         return None  # no exact linear form for this variant (the data's "unfitted" says why)
+    if impl == "sdpa" and any(c.get("as") for c in var.values()):
+        # the CPU trace took SDPA's math kernel (scores kept: gpt2's attention dropout, falcon's
+        # explicit mask); CUDA's fused kernels keep no scores, so this trace is not the GPU's
+        return None
     s, b, L = training.seq_len, training.micro_batch, spec.num_layers
     feats = token_features(spec, s)
     if training.checkpointing == "selective":  # drops the attention scores: the a·s terms

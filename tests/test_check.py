@@ -51,7 +51,7 @@ def test_7b_on_one_dgx_a100_examples():
     # micro-batch 4 × 2048 tokens without recomputation needs ~43 GB of activations for 7B, and
     # with gradient accumulation the accumulated 16-bit gradients (13.5 GB) are live in forward:
     # the examples assume full activation checkpointing
-    code, rep = check_json(EX / "*.json", "-m", "llama-2-7b", "-H", "dgx-a100-80gb", "--nodes", "1",
+    code, rep = check_json("--glob", EX / "*.json", "-m", "llama-2-7b", "-H", "dgx-a100-80gb", "--nodes", "1",
                            "--checkpointing", "full")
     assert code == 1 and rep["verdict"] == "fail" and rep["exit_code"] == 1
     assert len(rep["files"]) == 7
@@ -178,7 +178,8 @@ def test_zp203_latency_bound_buckets(tmp_path):
 
 def test_malformed_config_is_a_finding_with_a_line(tmp_path):
     p = tmp_path / "bad.json"
-    p.write_text('{\n  "zero_optimization": {\n    "stage": 2\n    "overlap_comm": true\n  }\n}\n')
+    # (a missing comma at a line end is valid hjson, which DeepSpeed accepts: a stray "]" is not)
+    p.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n    ]\n  }\n}\n')
     code, rep = check_json(p, "-m", "llama-2-7b", "-H", "dgx-a100-80gb")
     f, r = rules_of(rep, "bad.json")
     assert code == 1 and r == {"ZP000"} and f["error"]
@@ -191,7 +192,8 @@ def test_malformed_config_is_a_finding_with_a_line(tmp_path):
 
 def test_junit_validates(tmp_path):
     out = tmp_path / "report.xml"
-    r = run("check", EX / "*.json", "-m", "llama-2-7b", "-H", "dgx-a100-80gb", "--format", "junit", "--output", out)
+    r = run("check", "--glob", EX / "*.json", "-m", "llama-2-7b", "-H", "dgx-a100-80gb", "--format", "junit",
+            "--output", out)
     assert r.exit_code == 1, r.output
     assert "FAIL" in r.stdout and "<testsuites" not in r.stdout  # report went to the file
     root = ET.fromstring(out.read_text())
@@ -253,7 +255,8 @@ def test_json_format_and_text_format():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["nothing/*.json", "-m", "7B", "-H", "dgx-h100"], "matches no file"),
+    (["--glob", "nothing/*.json", "-m", "7B", "-H", "dgx-h100"], "matches no file"),
+    (["nothing/*.json", "-m", "7B", "-H", "dgx-h100"], "--glob"),
     (["missing.json", "-m", "7B", "-H", "dgx-h100"], "not found"),
     ([EX / "zero1-bf16.json", "-m", "llama-2-7x", "-H", "dgx-h100"], "llama-2-7"),
     ([EX / "zero1-bf16.json", "-m", "7B", "-H", "no-such-profile"], "no-such-profile"),

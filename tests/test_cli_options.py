@@ -300,7 +300,7 @@ def test_help_lists_every_option_with_help_and_default(path, cmd):
         for opt in p.opts + p.secondary_opts:
             assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", opts_text), f"{opt} missing or cut in help"
         if path[0] in PLANNING:
-            long_name = max(p.opts, key=len)
+            long_name = next(o for o in p.opts if o.startswith("--"))  # the entry's name; aliases follow it
             m = re.search(rf"^  (?:-\w, )?{re.escape(long_name)}(?![\w-]).*?(?=^  -|\Z)", opts_text, re.S | re.M)
             assert m, f"{long_name} has no entry of its own in {' '.join(path)} --help"
             assert "[default:" in m.group(0) or "[required]" in m.group(0), f"{' '.join(path)} {long_name}: no default"

@@ -45,10 +45,11 @@ KNOWN_LAZY: dict[str, str] = {}
 
 
 def layer_of(module: str) -> str:
-    """'zeroplan.core.memory' -> 'core'; the package face and zeroplan.api are the api layer."""
+    """'zeroplan.core.memory' -> 'core'; the package face, zeroplan.api and zeroplan.options (the API's
+    input models) are the api layer."""
     parts = module.split(".")
     assert parts[0] == "zeroplan", module
-    if len(parts) == 1 or parts[1] in ("api", "__init__"):
+    if len(parts) == 1 or parts[1] in ("api", "options", "__init__"):
         return "api"
     head = parts[1]
     if head in SHARED:

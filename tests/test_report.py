@@ -392,15 +392,14 @@ def test_report_modules_do_not_import_torch():
 
 
 def test_progress_callback_counts_each_distinct_evaluation():
-    from zeroplan.commands.estimate import run_estimate
-    from zeroplan.commands.report import build_report_data
+    import zeroplan
 
-    result, inp = run_estimate(model="gpt2", hardware="dgx-a100-80gb", nodes=1, precision="bf16")
     steps = []
-    data = build_report_data(result, inp, max_nodes=4, on_step=lambda: steps.append(1))
+    data = zeroplan.build_report(model="gpt2", hardware="dgx-a100-80gb", nodes=1, precision="bf16", max_nodes=4,
+                                 progress=lambda done, total: steps.append((done, total)))
     # GPUs 1, 2, 4, 8, 16, 32 (memory sweep) ∪ 8, 16, 32 whole nodes (time sweep) → 6 distinct × 4 stages
-    assert len(steps) == 24
-    assert data["time_sweep"]["gpus"] == [8, 16, 32]
+    assert steps == [(i, 24) for i in range(1, 25)]
+    assert data.time_sweep["gpus"] == [8, 16, 32]
 
 
 def test_memory_chart_labels_clear_of_the_capacity_line_and_axis_cut(report):

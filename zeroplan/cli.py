@@ -11,7 +11,11 @@ up to 120 columns wide and never cutting option names.
 
 from __future__ import annotations
 
+import atexit
+import errno
 import importlib
+import os
+import signal
 import sys
 from typing import Any
 
@@ -37,6 +41,8 @@ def _error_line(msg: str) -> None:
     try:
         sys.stderr.write(f"zeroplan: error: {one_line}\n")
         sys.stderr.flush()
+    except UnicodeEncodeError:  # an ASCII-only stderr: the same line with escapes
+        _error_line(one_line.encode("ascii", "backslashreplace").decode("ascii"))
     except (OSError, ValueError):
         pass
 
@@ -84,7 +90,7 @@ class _ZeroplanGroup(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-app = typer.Typer(
+_app = typer.Typer(
     name="zeroplan",
     cls=_ZeroplanGroup,
     help=(
@@ -100,44 +106,131 @@ app = typer.Typer(
                       "show_default": True, **({} if sys.stdout.isatty() else {"terminal_width": HELP_WIDTH})},
 )
 
-# Each module registers its own commands; order = order in --help.
-_COMMAND_MODULES = (
-    "estimate",
-    "recommend",
-    "check",
-    "bench",
-    "validate",
-    "profiles",
-    "models",
-    "detect",
-    "report",
-    "nccl_log",
-    "schema",
-)
+# command name -> the module whose register(app) adds it; order = order in --help.
+COMMANDS = {
+    "estimate": "estimate",
+    "recommend": "recommend",
+    "check": "check",
+    "bench": "bench",
+    "validate": "validate",
+    "profiles": "profiles",
+    "models": "models",
+    "detect": "detect",
+    "report": "report",
+    "nccl-log": "nccl_log",
+    "schema": "schema",
+}
+_registered: list[str] = []
 
-for _name in _COMMAND_MODULES:
-    try:
-        _mod = importlib.import_module(f"zeroplan.commands.{_name}")
-    except ModuleNotFoundError as _exc:  # a command module not written yet
-        if _exc.name != f"zeroplan.commands.{_name}":
-            raise
-        continue
-    _mod.register(app)
+
+def _register(names: Any) -> typer.Typer:
+    """Import and register the command modules for ``names`` (each once, in --help order).
+
+    A command module imports its renderers and the API only when it runs, but typer needs the
+    command functions at registration; so a plain invocation registers just the command it
+    names (``main`` peeks at argv), and ``--help``, a typo or ``app`` (tests) register all.
+    """
+    for name in COMMANDS:
+        if name not in names or name in _registered:
+            continue
+        _registered.append(name)
+        module = f"zeroplan.commands.{COMMANDS[name]}"
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:  # a command module not written yet
+            if exc.name != module:
+                raise
+            continue
+        mod.register(_app)
+    if len(_registered) == 1 and not _app.registered_callback:
+        # typer turns an app with one command and no callback into that command: keep it a group
+        _app.callback()(_group)
+    return _app
+
+
+def _group() -> None:
+    pass
+
+
+def _invoked(argv: list[str] | None) -> str | None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    return args[0] if args and args[0] in COMMANDS else None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the whole CLI (every command registered), e.g. for typer.testing.CliRunner
+        return _register(COMMANDS)
+    raise AttributeError(f"module 'zeroplan.cli' has no attribute {name!r}")
 
 
 def _error(msg: str) -> None:
-    from rich.console import Console
+    """One ``zeroplan: error:`` line with control characters and lone surrogates escaped."""
+    from zeroplan._util import safe_text
 
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {msg}", markup=True)
+    _error_line(safe_text(msg))
+
+
+class Terminated(BaseException):
+    """SIGTERM as an exception, so ``finally`` blocks and context managers remove temp files."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def _output_error(exc: BaseException) -> int:
+    """stdout could not take the output: closed pipe (quiet, 141), full disk or encoding (one line, 2)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing more reaches the broken stdout at exit
+    except (OSError, ValueError):
+        pass
+    if isinstance(exc, BrokenPipeError) or getattr(exc, "errno", None) == errno.EPIPE:
+        return 128 + signal.SIGPIPE  # the reader went away (e.g. `| head`): quiet, as with SIGPIPE
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    _error(f"cannot write the output to stdout: {why}")
+    return 2
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: maps InputError to exit code 2 without a traceback."""
+    """Console-script entry point: InputError → exit 2 with one line; SIGINT → 130; SIGTERM → 143."""
+    from zeroplan._util import remove_live_temps
+
+    for stream in (sys.stdout, sys.stderr):
+        try:  # an ASCII locale or a lone surrogate in a name: replace, never UnicodeEncodeError
+            stream.reconfigure(errors="replace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            pass
+    atexit.register(remove_live_temps)
+    command = _invoked(argv)
+    app = _register([command] if command is not None and not _registered else COMMANDS)
     try:
-        app(args=argv, standalone_mode=True)
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (embedded use): leave the default
+        pass
+    code = 0
+    try:
+        try:
+            app(args=argv, standalone_mode=True)
+        finally:
+            sys.stdout.flush()  # a full disk or closed pipe shows here, not at interpreter exit
+    except SystemExit as exc:
+        code = exc.code
     except InputError as exc:
-        _error(" ".join(str(exc).splitlines()).replace("[", "\\["))
-        sys.exit(2)
+        _error(str(exc))
+        code = 2
     except KeyboardInterrupt:
         _error("interrupted")
-        sys.exit(130)
+        code = 130
+    except Terminated:
+        _error("terminated (SIGTERM)")
+        code = 143
+    except (BrokenPipeError, UnicodeEncodeError) as exc:
+        code = _output_error(exc)
+    except OSError as exc:
+        if exc.errno not in (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF, errno.EDQUOT):
+            raise
+        code = _output_error(exc)
+    finally:
+        remove_live_temps()
+    sys.exit(code)

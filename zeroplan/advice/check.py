@@ -36,7 +36,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from zeroplan._util import InputError, read_text_file
+from zeroplan._util import InputError, display_path, expand_path, read_text_file
 from zeroplan.advice.alternatives import AdviceContext, bucket_latency_share
 from zeroplan.advice.check_rules import CHECK_RULES, capacity_rules, comm_rules, stage_rules
 from zeroplan.advice.reasons import Alternative, Quantity, Reason
@@ -120,24 +120,33 @@ class CheckReport(BaseModel):
     rule_descriptions: dict[str, str]
 
 
-def expand_config_paths(patterns: list[str]) -> list[str]:
-    """Paths and globs (``**`` recursive) → existing files, in order, without duplicates.
+def expand_config_paths(patterns: list[str], *, expand_globs: bool = False) -> list[str]:
+    """Paths → existing files, in order, without duplicates; ``~``/``~user`` expanded.
 
-    A glob matching nothing or a missing path is an InputError (exit 2).
+    Paths are taken literally (a file named ``ds[1].json`` is that file). With
+    ``expand_globs`` (``check --glob``) each argument is a glob (``**`` recursive) instead.
+    A glob matching nothing, a missing path or a directory is an InputError (exit 2).
     """
     if not patterns:
-        raise InputError("check needs at least one DeepSpeed config path or glob")
+        raise InputError("check needs at least one DeepSpeed config path")
     out: list[str] = []
     for pat in patterns:
-        if _GLOB_CHARS.search(pat):
+        shown = display_path(pat)
+        pat = expand_path(pat)
+        if expand_globs:
             hits = sorted(h for h in glob.glob(pat, recursive=True) if os.path.isfile(h))
             if not hits:
-                raise InputError(f"{pat}: the glob matches no file")
+                raise InputError(f"{shown}: the glob matches no file")
         else:
-            if not os.path.exists(pat):
-                raise InputError(f"{pat}: DeepSpeed config not found")
-            if os.path.isdir(pat):
-                raise InputError(f"{pat}: is a directory; give config files or a glob such as {pat.rstrip('/')}/*.json")
+            try:
+                exists, is_dir = os.path.exists(pat), os.path.isdir(pat)
+            except (OSError, ValueError) as exc:
+                raise InputError(f"{shown}: cannot read DeepSpeed config: {exc}") from None
+            if not exists:
+                hint = " (to expand it as a glob, pass --glob)" if _GLOB_CHARS.search(pat) else ""
+                raise InputError(f"{shown}: DeepSpeed config not found{hint}")
+            if is_dir:
+                raise InputError(f"{shown}: is a directory; give config files, or --glob '{shown.rstrip('/')}/*.json'")
             hits = [pat]
         for h in hits:
             if h not in out:
@@ -232,20 +241,21 @@ def check_config(
     return ConfigCheck(path=path, verdict=verdict, findings=findings, rules=rules, plan=_summary(plan, inp.training))
 
 
-def run_check(patterns: list[str], *, fail_on: str = "error", **opts: Any) -> CheckReport:
-    """Check every config matched by ``patterns``. ``opts``: check_config's keyword arguments."""
+def run_check(patterns: list[str], *, fail_on: str = "error", expand_globs: bool = False,
+              **opts: Any) -> CheckReport:
+    """Check every config in ``patterns`` (globs with ``expand_globs``). ``opts``: check_config's keywords."""
     if fail_on not in ("error", "warning", "info"):
         raise InputError(f"--fail-on {fail_on!r} is unknown; expected error or warning")
     mcs = opts.get("max_comm_share", 0.5)
     if not (0 < mcs <= 1):
-        raise InputError(f"--max-comm-share {mcs} must be in (0, 1]")
+        raise InputError(f"--max-comm-share {mcs} must be in [0.001, 1]")
     mh = opts.get("min_headroom", 0.10)
     if not (0 <= mh < 1):
         raise InputError(f"--min-headroom {mh} must be in [0, 1)")
     if opts.get("comm_model", "deepspeed") not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {opts['comm_model']!r} is unknown; expected deepspeed or paper")
-    if opts.get("mfu") is not None and not (0 < opts["mfu"] <= 1):
-        raise InputError(f"--mfu {opts['mfu']} must be in (0, 1]")
+    if opts.get("mfu") is not None and not (1e-3 <= opts["mfu"] <= 1):
+        raise InputError(f"--mfu {opts['mfu']} must be in [0.001, 1]")
     if not opts.get("hardware"):
         raise InputError("check needs --hardware (a profile name from `zeroplan profiles list` or a TOML path): "
                          "its rules compare memory and links with the hardware")
@@ -256,7 +266,7 @@ def run_check(patterns: list[str], *, fail_on: str = "error", **opts: Any) -> Ch
         micro_batch=opts.get("micro_batch"), seq_len=opts.get("seq_len"), grad_accum=opts.get("grad_accum"),
         checkpointing=opts.get("checkpointing"),
     )
-    paths = expand_config_paths(patterns)
+    paths = expand_config_paths(patterns, expand_globs=expand_globs)
     files = [check_config(p, fail_on=fail_on, **opts) for p in paths]
     counts = {"error": 0, "warning": 0, "info": 0}
     for f in files:

@@ -99,8 +99,8 @@ def _validated_stages(inputs: Any, *, headroom: float, comm_model: str, mfu: flo
         raise InputError(f"--headroom {headroom} must be in [0, 1): the fraction of GPU memory and host RAM kept free")
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
-    if mfu is not None and not (0 < mfu <= 1):
-        raise InputError(f"--mfu {mfu} must be in (0, 1]")
+    if mfu is not None and not (1e-3 <= mfu <= 1):
+        raise InputError(f"--mfu {mfu} must be in [0.001, 1]")
     if max_micro_batch is not None and max_micro_batch < 1:
         raise InputError(f"--max-micro-batch {max_micro_batch} must be a positive integer")
     if micro_batch is not None and micro_batch < 1:

@@ -260,7 +260,7 @@ def compare(plan: Any, measured: list[dict], *, model_state_tol: float = MODEL_S
     want["gradients"] += mem.buffers_detail.get("gradient_partition_whole_params", 0)
     if include_host:  # measured on CPU, where offloaded states are counted with the rest
         host = mem.host.detail
-        want["optimizer_states"] += host.get("optimizer_states", 0)
+        want["optimizer_states"] += host.get("optimizer_states", 0) + host.get("fp32_master_partition", 0)
         want["gradients"] += host.get("fp32_gradient_partition", 0) + host.get("bit16_gradient_partition", 0)
     for cat in _STATES:
         rows.append(_row("model_state", cat, want[cat], ms.get(cat, 0), model_state_tol))

@@ -1,9 +1,11 @@
 """Shared CLI plumbing: the planning options, error handling, JSON output, consoles.
 
-The planning options are defined ONCE here (typer ``Annotated`` types) and used by ``estimate``,
-``recommend``, ``check`` and ``report``: one name, one type, one meaning and one default each.
-Options that a command cannot honour are not offered by it (``check`` gates the stage and
-offload its config file sets, so it has no ``--stage``/``--offload-*``/``--ds-config``).
+The planning options are declared ONCE here as CLI flags (typer ``Annotated`` types) and used by
+``estimate``, ``recommend``, ``check``, ``report`` and ``nccl-log``: one name, one type, one meaning
+each. Their defaults are the Python API's (zeroplan/options.py, read with ``default_of``); a
+command turns its parameters into the API's options model with ``options_from`` and makes one
+API call. Options that a command cannot honour are not offered by it (``check`` gates the stage
+and offload its config file sets, so it has no ``--stage``/``--offload-*``/``--ds-config``).
 """
 
 from __future__ import annotations
@@ -17,26 +19,35 @@ import typer
 from typing_extensions import Annotated
 
 from zeroplan._util import InputError
+from zeroplan.options import CheckOptions, CommonOptions, RecommendOptions, ReportOptions, default_of
 
 __all__ = [
-    "handle_errors", "print_json", "console", "err_console", "fail", "parse_stages",
-    "Model", "Hardware", "Gpus", "Nodes", "GpusPerNode", "DsConfig", "Precision", "Optimizer", "MicroBatch",
+    "handle_errors", "print_json", "console", "err_console", "fail", "parse_stages", "options_from",
+    "Model", "OptionalModel", "Hardware", "Gpus", "Nodes", "GpusPerNode", "DsConfig", "Precision", "Optimizer",
+    "MicroBatch",
     "SeqLen", "GradAccum", "Checkpointing", "FlashAttention", "OffloadOptimizer", "OffloadParam", "Stage",
-    "Headroom", "CommModel", "Mfu", "Strict", "Lenient", "Json",
-    "DEFAULT_HEADROOM", "DEFAULT_MFU", "DEFAULT_COMM_MODEL",
+    "Headroom", "CommModel", "OptimizerImpl", "Mfu", "Strict", "Lenient", "Json",
+    "DEFAULT_HEADROOM", "DEFAULT_MFU", "DEFAULT_COMM_MODEL", "DEFAULT_TOP", "DEFAULT_FAIL_ON",
+    "DEFAULT_MAX_COMM_SHARE", "DEFAULT_MAX_NODES",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-DEFAULT_HEADROOM = 0.10
-DEFAULT_MFU: float | None = None  # None: the compute model (rate by GPU generation and shape)
-DEFAULT_COMM_MODEL = "deepspeed"
+# The defaults are the API's (zeroplan/options.py): written once, there.
+DEFAULT_HEADROOM: float = default_of(RecommendOptions, "headroom")
+DEFAULT_MFU: float | None = default_of(CommonOptions, "mfu")  # None: the compute model
+DEFAULT_COMM_MODEL: str = default_of(CommonOptions, "comm_model")
+DEFAULT_TOP: int = default_of(RecommendOptions, "top")
+DEFAULT_FAIL_ON: str = default_of(CheckOptions, "fail_on")
+DEFAULT_MAX_COMM_SHARE: float = default_of(CheckOptions, "max_comm_share")
+DEFAULT_MAX_NODES: int = default_of(ReportOptions, "max_nodes")
 
 # ------------------------------------------------------------------------------ shared options
-Model = Annotated[str, typer.Option(
-    "--model", "-m", metavar="NAME|PATH|COUNT",
-    help="Catalog name (see `zeroplan models list`), a Hugging Face Hub id found in the catalog or in the "
-         "local Hugging Face cache (never downloaded), a path to a config.json, or a count such as 7B, 70e9, 1.3T.")]
+_MODEL_HELP = ("Catalog name (see `zeroplan models list`), a Hugging Face Hub id found in the catalog or in the "
+               "local Hugging Face cache (never downloaded), a path to a config.json, or a count such as 7B, 70e9, 1.3T.")
+Model = Annotated[str, typer.Option("--model", "-m", metavar="NAME|PATH|COUNT", help=_MODEL_HELP)]
+OptionalModel = Annotated[Optional[str], typer.Option(
+    "--model", "-m", metavar="NAME|PATH|COUNT", show_default="none", help=_MODEL_HELP)]
 Hardware = Annotated[Optional[str], typer.Option(
     "--hardware", "-H", metavar="NAME|PATH", show_default="none (memory only; recommend and check need one)",
     help="Hardware profile name (see `zeroplan profiles list`) or path to a profile TOML.")]
@@ -90,8 +101,14 @@ Headroom = Annotated[float, typer.Option(
     help="Fraction of GPU memory and host RAM to keep free (0–1): recommend only chooses configurations "
          "that leave it; check warns (ZP103) below it.")]
 CommModel = Annotated[str, typer.Option(
-    "--comm-model", metavar="deepspeed|paper",
-    help="deepspeed: the collectives DeepSpeed actually issues; paper: the ZeRO paper's 2Ψ/2Ψ/3Ψ.")]
+    "--flavour", "--comm-model", metavar="deepspeed|paper",
+    help="deepspeed: what DeepSpeed 0.19.8 allocates and issues; paper: the ZeRO paper's accounting (4/4/12 = 20 "
+         "B/param in fp32; 2Ψ/2Ψ/3Ψ communication). --comm-model is an alias.")]
+OptimizerImpl = Annotated[Optional[str], typer.Option(
+    "--optimizer-impl", metavar="fused-adam|torch-foreach|torch-fused|torch-single|cpu-adam",
+    show_default="from --ds-config (an optimizer block: fused-adam; none: torch-foreach), else fused-adam",
+    help="How the Adam step runs on the GPU: DeepSpeed FusedAdam (no temporaries), torch AdamW foreach "
+         "(4 B/element), fused, single-tensor (8 B/element of the largest tensor) or DeepSpeedCPUAdam (host).")]
 Mfu = Annotated[Optional[float], typer.Option(
     "--mfu", metavar="FRACTION", show_default="the compute model (FLOPs from the architecture at a rate by GPU "
     "generation and shape)", help="Override the compute model with a fixed model FLOPs utilisation (0–1].")]
@@ -119,6 +136,18 @@ def parse_stages(values: list[str] | None) -> list[int] | None:
     return sorted(set(out))
 
 
+O = TypeVar("O", bound=CommonOptions)
+
+
+def options_from(cls: type[O], params: dict[str, Any]) -> O:
+    """The API options ``cls`` from a command's parameters (its ``locals()``): every parameter
+    named like a field of ``cls``; ``--stage`` values parsed."""
+    fields = {k: v for k, v in params.items() if k in cls.model_fields}
+    if isinstance(fields.get("stage"), list):
+        fields["stage"] = parse_stages(fields["stage"])
+    return cls(**fields)
+
+
 # ------------------------------------------------------------------------------ output
 def console():
     """stdout console. On a terminal rich wraps to its width; otherwise (pipes, CI logs, files) text
@@ -139,8 +168,12 @@ def err_console():
 
 def fail(msg: str, code: int = 2) -> None:
     """Print one error line on stderr and exit with ``code`` (2 = bad input)."""
-    one_line = " ".join(str(msg).splitlines())  # user-supplied keys can carry newlines: keep it one line
-    err_console().print(f"[bold red]error:[/] {one_line.replace('[', chr(92) + '[')}")
+    from rich.markup import escape
+
+    from zeroplan._util import safe_text
+
+    one_line = safe_text(" ".join(str(msg).splitlines()))  # one line; no ANSI/control characters
+    err_console().print(f"[bold red]error:[/] {escape(one_line)}")
     raise typer.Exit(code)
 
 
@@ -158,7 +191,8 @@ def handle_errors(fn: F) -> F:
 
 
 def print_json(obj: Any) -> None:
-    """Print one JSON object on stdout, nothing else. Accepts pydantic models."""
+    """Print one JSON object on stdout, nothing else. A pydantic model (what the API returns) is
+    printed as exactly ``obj.model_dump(mode="json")``."""
     if hasattr(obj, "model_dump"):
         obj = obj.model_dump(mode="json")
     sys.stdout.write(json.dumps(obj, indent=2, allow_nan=False) + "\n")

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import typer
 
-from zeroplan._util import InputError
+from zeroplan._util import InputError, validate_output_path
 from zeroplan.commands._common import console, err_console, fail, handle_errors, print_json
 
 __all__ = ["register", "bench_app"]
@@ -130,7 +130,7 @@ def collectives(
         validate_config,
         write_report_json,
     )
-    from zeroplan.runtime.launch import RankError, under_torchrun
+    from zeroplan.runtime.launch import RankError, check_timeout, under_torchrun
 
     cfg = BenchConfig(
         ops=[o.strip() for o in ops.split(",") if o.strip()],
@@ -139,10 +139,11 @@ def collectives(
         straggler_threshold=straggler_threshold,
     )
     validate_config(cfg)
+    validate_output_path(save_profile, option="--save-profile", inputs={"--hardware": hardware})
+    validate_output_path(output, option="--output", inputs={"--hardware": hardware, "--save-profile": save_profile})
     if save_profile is not None and hardware is None:
         raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the non-link fields")
-    if timeout <= 0:
-        raise InputError(f"--timeout {timeout}: expected seconds > 0")
+    check_timeout(timeout)  # nan, inf, <= 0: one line before any rank starts
     hw_profile = None
     if hardware is not None:
         from zeroplan.specs.hardware import load_profile
@@ -172,8 +173,14 @@ def collectives(
     if hw_profile is not None:
         add_predictions(report, hw_profile)
     if save_profile is not None:
-        report.fit = save_profile_from_report(report, save_profile, hardware)
-        report.profile = save_profile
+        try:
+            report.fit = save_profile_from_report(report, save_profile, hardware)
+            report.profile = save_profile
+        except InputError as exc:  # the measured times cannot be fitted (base and path were checked first)
+            reason = str(exc).removeprefix("--save-profile: ")
+            err_console().print(f"warning: --save-profile: {reason}; no profile written", markup=False,
+                                highlight=False, soft_wrap=True)
+            save_profile = None
         for tier, f in report.fit.items():
             if f.get("warning"):
                 err_console().print(f"[yellow]warning:[/] {f['warning']}", markup=True)
@@ -237,10 +244,18 @@ def zero(
     model (--keep-buckets uses DeepSpeed's absolute defaults). The header prints every input.
     """
     require_torch("bench zero")
+    from zeroplan.runtime.launch import check_gpus_for, resolve_backend, under_torchrun
+    from zeroplan.runtime.torchrun import check_timeout
+
+    check_timeout(timeout)  # nan, inf, <= 0: one line before any rank starts
+    if not simulate and not under_torchrun() and resolve_backend(backend) == "nccl":
+        check_gpus_for(nproc)  # one GPU per rank, before the model is built
     try:
         from zeroplan.bench.validate import run_bench_zero_cli
     except ImportError as exc:
         raise InputError(f"bench zero is not available in this build ({exc})") from None
+    validate_output_path(output, option="--output", inputs={"--model": model, "--ds-config": ds_config,
+                                                            "--hardware": hardware})
     options = dict(model=model, stage=stage, ds_config=ds_config, hardware=hardware, precision=precision,
                    optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                    steps=steps, warmup=warmup, layers=layers, hidden=hidden, nproc=nproc, simulate=simulate,

@@ -8,10 +8,11 @@ import typer
 from typing_extensions import Annotated
 
 from zeroplan.commands._common import (
-    DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, Checkpointing, CommModel, FlashAttention, GpusPerNode,
-    GradAccum, Gpus, Hardware, Headroom, MicroBatch, Mfu, Model, Nodes, Optimizer, Precision, SeqLen, console,
-    handle_errors,
+    DEFAULT_COMM_MODEL, DEFAULT_FAIL_ON, DEFAULT_HEADROOM, DEFAULT_MAX_COMM_SHARE, DEFAULT_MFU, Checkpointing,
+    CommModel, FlashAttention, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, MicroBatch, Mfu, Model, Nodes,
+    Optimizer, Precision, SeqLen, console, handle_errors, options_from,
 )
+from zeroplan.options import FAIL_ON, CheckOptions
 
 __all__ = ["register", "render_check_text", "FORMATS"]
 
@@ -67,13 +68,13 @@ def register(app: typer.Typer) -> None:
         flash_attention: FlashAttention = None,
         fail_on: Annotated[str, typer.Option(
             "--fail-on", metavar="error|warning",
-            help="Fail (exit 1) on findings at or above this severity.")] = "error",
+            help="Fail (exit 1) on findings at or above this severity.")] = DEFAULT_FAIL_ON,
         fmt: Annotated[str, typer.Option(
             "--format", "-f", metavar="text|json|junit|github",
             help="Report format: text, json, junit (JUnit XML) or github (workflow annotations).")] = "text",
         max_comm_share: Annotated[float, typer.Option(
             "--max-comm-share", metavar="FRACTION",
-            help="ZP201: warn when exposed communication exceeds this share of the step.")] = 0.5,
+            help="ZP201: warn when exposed communication exceeds this share of the step.")] = DEFAULT_MAX_COMM_SHARE,
         headroom: Headroom = DEFAULT_HEADROOM,
         min_headroom: Annotated[Optional[float], typer.Option(
             "--min-headroom", hidden=True, help="Old name of --headroom.")] = None,
@@ -82,6 +83,8 @@ def register(app: typer.Typer) -> None:
         output: Annotated[Optional[str], typer.Option(
             "--output", "-o", metavar="PATH", show_default="stdout",
             help="Write the report to this file (atomically); stdout gets a one-line verdict.")] = None,
+        expand_globs: Annotated[bool, typer.Option(
+            "--glob/--no-glob", help="Expand each CONFIG as a glob ('configs/**/*.json'); without it paths are literal.")] = False,
     ) -> None:
         """Gate DeepSpeed configs in CI: OOM, host RAM, NVMe, communication and stage/offload rules.
 
@@ -90,21 +93,21 @@ def register(app: typer.Typer) -> None:
         the options, else from the config's zeroplan block (`recommend --emit-config` writes it). Example:
         zeroplan check 'configs/*.json' -m llama-2-70b -H h100-8x-ib400 --nodes 4 --format github
         """
-        from zeroplan._util import InputError, atomic_write_text
-        from zeroplan.advice.check import run_check
+        from zeroplan._util import InputError, atomic_write_text, validate_output_path
+        from zeroplan.advice.check import expand_config_paths
+        from zeroplan.api import check as check_api
+
+        validate_output_path(output, option="--output", inputs={"the checked config": expand_config_paths(
+            configs, expand_globs=expand_globs), "--hardware": hardware, "--model": model})
         from zeroplan.report.formats import summary_line, to_github, to_json, to_junit
 
         if fmt not in FORMATS:
             raise InputError(f"--format {fmt!r} is unknown; expected one of {', '.join(FORMATS)}")
-        if fail_on not in ("error", "warning"):
+        if fail_on not in FAIL_ON:
             raise InputError(f"--fail-on {fail_on!r} is unknown; expected error or warning")
-        report = run_check(
-            configs, fail_on=fail_on, model=model, hardware=hardware, gpus=gpus, nodes=nodes,
-            gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer, micro_batch=micro_batch,
-            seq_len=seq_len, grad_accum=grad_accum, checkpointing=checkpointing, flash_attention=flash_attention,
-            comm_model=comm_model, mfu=mfu, max_comm_share=max_comm_share,
-            min_headroom=headroom if min_headroom is None else min_headroom,
-        )
+        if min_headroom is not None:
+            headroom = min_headroom
+        report = check_api(configs, options_from(CheckOptions, locals()))
         if fmt == "text":
             if output is not None:
                 from io import StringIO

@@ -71,9 +71,10 @@ def register(app: typer.Typer) -> None:
 
         Example: zeroplan detect --save-profile mynode.toml
         """
-        from zeroplan._util import InputError
+        from zeroplan._util import InputError, validate_output_path
         from zeroplan.inspect.detect import detect_node, profile_from_report
 
+        validate_output_path(save_profile, option="--save-profile")
         report = detect_node()
         saved = None
         if save_profile is not None:

@@ -9,38 +9,13 @@ import typer
 from typing_extensions import Annotated
 
 from zeroplan.commands._common import (
-    DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention,
-    GpusPerNode, GradAccum, Gpus, Hardware, Headroom, Json, Lenient, MicroBatch, Mfu, Model, Nodes, Optimizer,
-    Precision, SeqLen, Stage, Strict, console, handle_errors, parse_stages, print_json,
+    DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, DEFAULT_TOP, Checkpointing, CommModel, DsConfig,
+    FlashAttention, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, Json, Lenient, MicroBatch, Mfu, Model, Nodes,
+    Optimizer, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
 )
+from zeroplan.options import RecommendOptions
 
-__all__ = ["register", "run_recommend", "render_recommendation"]
-
-
-def run_recommend(*, headroom: float = DEFAULT_HEADROOM, comm_model: str = DEFAULT_COMM_MODEL,
-                  mfu: float | None = DEFAULT_MFU, max_micro_batch: Optional[int] = None, checkpointing: Optional[str] = None,
-                  stages: Optional[list[int]] = None, allow_nvme: bool = True, top: int = 8,
-                  progress: Any = None, lenient: bool = False, **kw: Any):
-    """Library entry: build the inputs from CLI-style keywords and return (Recommendation, PlanInputs).
-
-    The chosen DeepSpeed config (``rec.ds_config``) carries a ``zeroplan`` block with the sequence
-    length, checkpointing and flash attention it was planned for, so ``check`` reads them back.
-    """
-    from zeroplan.advice.recommend import recommend
-    from zeroplan.core.inputs import annotate_ds_config, build_plan_inputs, refuse_ds_errors
-
-    inp = build_plan_inputs(**kw)
-    if not lenient:
-        refuse_ds_errors(inp.ds)
-    rec = recommend(inp, headroom=headroom, comm_model=comm_model, mfu=mfu, max_micro_batch=max_micro_batch,
-                    micro_batch=kw.get("micro_batch"), checkpointing=checkpointing, stages=stages,
-                    allow_nvme=allow_nvme, top=top, progress=progress)
-    if rec.ds_config is not None and rec.chosen is not None:
-        rec.ds_config = annotate_ds_config(
-            rec.ds_config, seq_len=inp.training.seq_len, checkpointing=rec.chosen.checkpointing,
-            flash_attention=inp.training.flash_attention, model=inp.spec.name,
-            hardware=inp.hardware.name if inp.hardware is not None else None, n_gpus=inp.n_gpus)
-    return rec, inp
+__all__ = ["register", "render_recommendation"]
 
 
 def _elems(n: int) -> str:
@@ -135,8 +110,9 @@ def register(app: typer.Typer) -> None:
         flash_attention: FlashAttention = None,
         stage: Stage = None,
         headroom: Headroom = DEFAULT_HEADROOM,
-        nvme: Annotated[bool, typer.Option("--nvme/--no-nvme", help="Consider NVMe offload.")] = True,
-        top: Annotated[int, typer.Option("--top", metavar="N", help="Alternatives shown.")] = 8,
+        allow_nvme: Annotated[bool, typer.Option("--nvme/--no-nvme", help="Consider NVMe offload.")] = (
+            RecommendOptions.model_fields["allow_nvme"].default),
+        top: Annotated[int, typer.Option("--top", metavar="N", help="Alternatives shown.")] = DEFAULT_TOP,
         comm_model: CommModel = DEFAULT_COMM_MODEL,
         mfu: Mfu = DEFAULT_MFU,
         strict: Strict = False,
@@ -153,16 +129,16 @@ def register(app: typer.Typer) -> None:
         highest useful throughput, preferring the lower stage within 5% and no offload unless it is
         twice as fast. Example: zeroplan recommend -m llama-2-70b -H h100-8x-ib400 --nodes 4 -p bf16
         """
-        from zeroplan._util import InputError
+        from zeroplan._util import validate_output_path
+        from zeroplan.api import recommend as recommend_api
 
-        if hardware is None:
-            raise InputError("recommend needs --hardware (a profile name from `zeroplan profiles list` or a TOML path)")
-        if top < 1:
-            raise InputError(f"--top {top} must be a positive integer")
+        validate_output_path(emit_config, option="--emit-config",
+                             inputs={"--ds-config": ds_config, "--hardware": hardware, "--model": model})
+        options = options_from(RecommendOptions, locals())
         show_progress = not json_out and sys.stdout.isatty()
         prog_cb = None
         progress = None
-        if show_progress:
+        if show_progress and hardware is not None:
             from rich.progress import Progress
 
             progress = Progress(transient=True)
@@ -172,14 +148,7 @@ def register(app: typer.Typer) -> None:
             def prog_cb(done: int, total: int) -> None:
                 progress.update(task, completed=done, total=total)
         try:
-            rec, _ = run_recommend(
-                model=model, hardware=hardware, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node,
-                ds_config=ds_config, strict=strict, precision=precision, optimizer=optimizer,
-                micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, flash_attention=flash_attention,
-                headroom=headroom, comm_model=comm_model, mfu=mfu, max_micro_batch=max_micro_batch,
-                checkpointing=checkpointing, stages=parse_stages(stage), allow_nvme=nvme, top=top, progress=prog_cb,
-                lenient=lenient,
-            )
+            rec = recommend_api(options, progress=prog_cb)
         finally:
             if progress is not None:
                 progress.stop()

@@ -209,8 +209,12 @@ def build_ledger(
             if not again:
                 continue
             if hpz > 1:
-                B.add("all_gather", "backward", "module parameters (hpZ secondary partition, in node)",
-                      m.gathered * b_p, gas, pdt, True, group="intra-node", group_size=min(hpz, n))
+                # groups of min(hpz, world) consecutive ranks (DeepSpeed 0.19.8 utils/groups.py::
+                # _create_zero_param_parallel_group): larger than a node, the gather crosses the NICs
+                hg = min(hpz, n)
+                where = "in node" if hg <= B.gpn else f"across {-(-hg // B.gpn)} nodes"
+                B.add("all_gather", "backward", f"module parameters (hpZ secondary partition, {where})",
+                      m.gathered * b_p, gas, pdt, True, group="intra-node" if hg <= B.gpn else "all", group_size=hg)
             elif qwz:
                 buf = m.gathered + 4 * ceil_div(m.gathered, QWZ_BLOCK)
                 B.add("all_gather", "backward", "module parameters re-gathered (qwZ)", buf, gas, "int8", True)
@@ -267,7 +271,8 @@ def build_ledger(
         elif e.group == "all" and B.nodes > 1:
             # a ring over all GPUs crosses each node boundary: the share of traffic that leaves
             # the node is (nodes-1)/(n-1) of a rank's ring steps
-            inter += e.sent_bytes * (B.nodes - 1) // (e.group_size - 1)
+            # (a sub-group such as an hpZ group spanning k nodes: (k-1)/(group size - 1))
+            inter += e.sent_bytes * (-(-e.group_size // gpn) - 1) // max(e.group_size - 1, 1)
     return CommLedger(
         flavour=comm_model,  # type: ignore[arg-type]
         collectives=B.entries,

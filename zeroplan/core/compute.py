@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from zeroplan._util import InputError
 from zeroplan.specs.training import TrainingSetup
 
 __all__ = ["ComputeEstimate", "GENERATIONS", "Generation", "flops_per_token", "gpu_generation", "estimate_compute",
@@ -108,10 +109,14 @@ def peak_flops(hw: Any, training: TrainingSetup) -> float:
     """Dense peak FLOP/s of the profile's GPU for the training dtype (fp32 trains on TF32 cores)."""
     flops = hw.gpu.peak_flops
     want = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}.get(training.precision.name, "bf16")
-    for k in (want, "tf32" if want == "fp32" else want, "bf16"):
+    # Same-width fallbacks only (bf16 and fp16 run at one tensor-core rate on NVIDIA GPUs; fp32
+    # matmuls run on TF32 cores). Never the fp8/int8 figure, which the old max() silently took.
+    fallback = {"bf16": ("bf16", "fp16"), "fp16": ("fp16", "bf16"), "fp32": ("fp32", "tf32")}[want]
+    for k in fallback:
         if k in flops and flops[k] > 0:
             return float(flops[k])
-    return float(max(flops.values()))
+    raise InputError(f"hardware profile {getattr(hw, 'name', '?')}: gpu.peak_flops has no {' or '.join(fallback)} "
+                     f"figure for {want} training (has {', '.join(sorted(flops)) or 'none'})")
 
 
 def flops_per_token(model: Any, seq_len: int) -> dict[str, float]:

@@ -99,8 +99,15 @@ class Layout:
             ends.append(pos)
         total = pos
         part = self.partition_12
+        # The span is constant over ranks whose partition sits inside one tensor, so only ranks
+        # next to a tensor boundary (and the first and last rank) need computing: O(T log T), not
+        # O(N) — a 2^20-GPU plan must not loop over every rank (issue 17 §3).
+        ranks = {0, self.n - 1}
+        for b in starts + ends:
+            q = b // part
+            ranks.update(r for r in (q - 1, q, q + 1) if 0 <= r < self.n)
         best = 0
-        for r in range(self.n):
+        for r in ranks:
             p_lo, p_hi = r * part, (r + 1) * part
             lo, hi = p_lo, p_hi
             if p_lo < total:

@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from zeroplan._util import InputError
 from zeroplan.core.comm import CommLedger, LedgerEntry
 from zeroplan.core.compute import ComputeEstimate, estimate_compute, peak_flops
 from zeroplan.core.nccl_model import collective_choice
@@ -181,6 +182,9 @@ def estimate_time(
     nvme = 0.0
     nvme_bytes = ledger.nvme_bytes_per_gpu_per_step + sum(p.bytes_per_step for p in ledger.pcie if p.source == "nvme")
     if nvme_bytes:
+        if not hw.node.nvme_bandwidth_GBps > 0:
+            raise InputError(f"hardware profile {getattr(hw, 'name', '?')}: node.nvme_bandwidth_GBps = "
+                             f"{hw.node.nvme_bandwidth_GBps} (no NVMe) but the plan offloads to NVMe")
         nvme_bw = hw.node.nvme_bandwidth_GBps * 1e9 / max(1, min(gpus_per_node, n_gpus))
         nvme = nvme_bytes / nvme_bw if nvme_bw > 0 else 0.0
     if ov.hidden_s:

@@ -45,6 +45,8 @@ from typing import Any, Iterable
 from pydantic import BaseModel, Field
 
 __all__ = [
+    "NcclLogPlan",
+    "NcclLogReport",
     "NCCL_DATATYPES",
     "NCCL_OPS",
     "NcclDevice",
@@ -93,6 +95,14 @@ NCCL_OPS: dict[str, str] = {
 }
 
 _MAX_ISSUES = 50
+# NCCL formats one record into a 1 KB buffer (src/debug.cc); interleaved ranks make longer physical
+# lines, but not 64K characters: a longer line is reported as skipped, never searched.
+_MAX_LINE_CHARS = 65_536
+_MAX_TEXT_CHARS = 500  # a message, "via" or support line quoted in the summary: output stays bounded
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_TEXT_CHARS else text[: _MAX_TEXT_CHARS - 1] + "…"
 
 
 # --------------------------------------------------------------------------- models
@@ -174,7 +184,7 @@ class NcclOpTotal(BaseModel):
 
 
 class NcclIssue(BaseModel):
-    kind: str  # "warn" (NCCL WARN), "timeout" (watchdog), "error" (NCCL error message)
+    kind: str  # "warn" (NCCL WARN), "timeout" (watchdog), "error" (NCCL error message), "skipped" (over-long line)
     message: str
     line: int  # first line (1-based) where it appears
     occurrences: int = 1
@@ -216,16 +226,21 @@ class NcclLogSummary(BaseModel):
 
 # --------------------------------------------------------------------------- regexes
 
+# Every pattern below sees user text and must run in time linear in the line (issue 17 §6):
+# no unanchored run that can start at every character of another run, no nested or adjacent
+# quantifiers over overlapping classes. _HEADER's host starts only where a host-character run
+# starts (the lookbehind), so a 10 MB run of letters is scanned once, not once per position.
 _HEADER = re.compile(
-    r"(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL (?P<level>INFO|WARN|TRACE|ABORT)\b ?"
+    r"(?<![A-Za-z0-9_.\-])(?P<host>[A-Za-z0-9_.\-]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
+    r"NCCL (?P<level>INFO|WARN|TRACE|ABORT)\b ?"
 )
 _VERSION = re.compile(r"NCCL version (?P<v>\d+\.\d+\.\d+)(?:\+cuda(?P<cuda>[\d.]+))?")
 _CUDA_DRIVER = re.compile(r"^cudaDriverVersion (?P<v>\d+)")
 _INIT = re.compile(
     r"comm (?P<ptr>0x[0-9a-fA-F]+|\(nil\)) rank (?P<rank>\d+) nranks (?P<nranks>\d+) cudaDev (?P<cudadev>\d+)"
     r"(?: nvmlDev \d+)?(?: busId (?P<bus>[0-9a-fA-F]+))?(?: commId (?P<commid>0x[0-9a-fA-F]+))?"
-    r".*- Init (?P<phase>START|COMPLETE)"
 )
+_INIT_PHASE = re.compile(r"- Init (?P<phase>START|COMPLETE)")  # searched after an _INIT match (no ".*")
 _COMM_NODES = re.compile(
     r"comm (?P<ptr>0x[0-9a-fA-F]+) rank (?P<rank>\d+) nRanks (?P<nranks>\d+) nNodes (?P<nnodes>\d+)"
     r" localRanks (?P<lranks>\d+) localRank (?P<lrank>\d+)"
@@ -236,7 +251,7 @@ _TREES = re.compile(r"^Trees(?P<body>(?: \[\d+\] [-\d/]+->-?\d+->-?\d+)+)")
 _TREE_ITEM = re.compile(r"\[(?P<ch>\d+)\] (?P<down>-?\d+(?:/-?\d+)*)->(?P<rank>-?\d+)->(?P<up>-?\d+)")
 _CONN = re.compile(
     r"^Channel (?P<ch>\d+)(?:/(?P<conn>\d+))? : (?P<src>\d+)\[(?P<srcdev>[0-9a-fA-F]+)\] -> "
-    r"(?P<dst>\d+)\[(?P<dstdev>[0-9a-fA-F]+)\](?: \[(?P<dir>send|receive)\])? via (?P<via>.+?)\s*$"
+    r"(?P<dst>\d+)\[(?P<dstdev>[0-9a-fA-F]+)\](?: \[(?P<dir>send|receive)\])? via (?P<via>.*\S)\s*$"
 )
 _CHANNELS = re.compile(
     r"^(?P<coll>\d+) coll channels, (?:(?P<collnet>\d+) collnet channels, )?(?:(?P<nvls>\d+) nvls channels, )?"
@@ -252,7 +267,7 @@ _COLL = re.compile(
     r"comm (?P<comm>\S+) \[nranks=(?P<nranks>\d+)\]"
 )
 _TIMEOUT = re.compile(
-    r"Watchdog caught collective operation timeout: WorkNCCL\((?P<body>[^)]*\([^)]*\)[^)]*|[^)]*)\)"
+    r"Watchdog caught collective operation timeout: WorkNCCL\((?P<body>[^()]*(?:\([^()]*\)[^()]*)?)\)"
     r"(?: ran for (?P<ran>\d+) milliseconds)?"
 )
 _ERROR = re.compile(
@@ -353,6 +368,7 @@ class _State:
 
     def add_issue(self, kind: str, message: str, line_no: int, host: str | None, **extra: Any) -> None:
         self.issue_count += 1
+        message = _clip(message)
         key = (kind, message)
         if key in self.issues:
             self.issues[key].occurrences += 1
@@ -413,7 +429,7 @@ def _handle_record(st: _State, hdr: tuple[str, int, int, int, str], msg: str, li
 
     m = _CONN.match(msg)
     if m:
-        via = m.group("via")
+        via = _clip(m.group("via"))
         kind = _transport_kind(via)
         st.transports[kind][via] += 1
         if "GDRDMA" in via:
@@ -440,7 +456,8 @@ def _handle_record(st: _State, hdr: tuple[str, int, int, int, str], msg: str, li
         return
 
     m = _INIT.search(msg)
-    if m:
+    phase = _INIT_PHASE.search(msg, m.end()) if m else None
+    if m and phase:
         ptr = m.group("ptr")
         key = m.group("commid") or st.comm_key_for_ptr(host, pid, ptr)
         st.ptr_to_comm[(host, pid, ptr)] = key
@@ -450,7 +467,7 @@ def _handle_record(st: _State, hdr: tuple[str, int, int, int, str], msg: str, li
         c["nranks"] = nranks
         c["ranks"].add(rank)
         c["hosts"].add(host)
-        if m.group("phase") == "COMPLETE":
+        if phase.group("phase") == "COMPLETE":
             c["complete"].add(rank)
         bus = m.group("bus")
         dkey = (host, int(m.group("cudadev")), rank, key)
@@ -534,6 +551,7 @@ def _ctx_key(st: _State, host: str, pid: int, tid: int, dev: int) -> str:
 
 
 def _support_line(st: _State, text: str) -> None:
+    text = _clip(text)
     if text not in st.support_lines and len(st.support_lines) < _MAX_ISSUES:
         st.support_lines.append(text)
 
@@ -557,6 +575,11 @@ def parse_nccl_log(text: str) -> NcclLogSummary:
     st = _State()
     lines = text.splitlines()
     for line_no, line in enumerate(lines, start=1):
+        if len(line) > _MAX_LINE_CHARS:  # not an NCCL record: skip it (the regexes stay linear anyway)
+            st.lines_ignored += 1
+            st.add_issue("skipped", f"a line of {len(line):,} characters (over {_MAX_LINE_CHARS:,}) was skipped",
+                         line_no, None)
+            continue
         head, headers = _segments(line)
         if not headers:
             if not line.strip():
@@ -790,3 +813,21 @@ def compare_with_ledger(
         unmatched_logged_ops=unmatched,
         all_match=all(o.match for o in ops),
     )
+
+
+class NcclLogPlan(BaseModel):
+    """The plan a log was compared with."""
+
+    stage: int
+    n_gpus: int
+    comm_model: str
+    model: str
+
+
+class NcclLogReport(BaseModel):
+    """What ``zeroplan nccl-log --json`` prints: the log's summary and, with a plan, the comparison."""
+
+    file: str
+    summary: NcclLogSummary
+    comparison: LedgerComparison | None = None
+    plan: NcclLogPlan | None = None

@@ -23,6 +23,7 @@ a JSON(-with-comments) file to the line it is on, so annotations point at the of
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 from xml.etree import ElementTree as ET
 
@@ -141,7 +142,14 @@ def to_junit(report: Any) -> str:
     root.set("failures", str(t_fail))
     root.set("errors", str(t_err))
     ET.indent(root)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+    xml = ET.tostring(root, encoding="unicode")
+    # ElementTree writes characters XML 1.0 forbids (control characters, lone surrogates) as they
+    # are, which makes the file unreadable to every JUnit consumer: show them as \xNN instead.
+    xml = _XML_FORBIDDEN.sub(lambda m: f"\\x{ord(m.group()):02x}", xml)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + xml + "\n"
+
+
+_XML_FORBIDDEN = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
 def _finding_line(path: str, x: Any) -> str:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import re
 import math
 import sys
 from pathlib import Path
@@ -382,7 +383,7 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 
 
 # --------------------------------------------------------------------------------------------
-# JSON with comments and trailing commas
+# Parsing: hjson, as DeepSpeed does
 # --------------------------------------------------------------------------------------------
 
 def _line_col(text: str, pos: int) -> tuple[int, int]:
@@ -391,87 +392,16 @@ def _line_col(text: str, pos: int) -> tuple[int, int]:
     return line, col
 
 
-def _strip_jsonc(text: str, where: str) -> tuple[str, bool]:
-    """Blank out comments and trailing commas, keeping every other character in place.
-
-    Returns (clean_text, used_extensions). Strings (with escapes) are left untouched, so
-    ``"http://x"`` stays a string. Newlines inside block comments are kept so JSON error
-    positions still point at the original line and column.
-    """
-    out = list(text)
-    n = len(text)
-    i = 0
-    used = False
-    in_string = False
-    while i < n:
-        c = text[i]
-        if in_string:
-            if c == "\\":
-                i += 2
-                continue
-            if c == '"':
-                in_string = False
-            i += 1
-            continue
-        if c == '"':
-            in_string = True
-            i += 1
-            continue
-        if c == "/" and i + 1 < n and text[i + 1] == "/":
-            used = True
-            while i < n and text[i] != "\n":
-                out[i] = " "
-                i += 1
-            continue
-        if c == "/" and i + 1 < n and text[i + 1] == "*":
-            end = text.find("*/", i + 2)
-            if end < 0:
-                line, col = _line_col(text, i)
-                raise InputError(f"{where}: line {line} column {col}: unterminated /* comment")
-            used = True
-            for j in range(i, end + 2):
-                if out[j] != "\n":
-                    out[j] = " "
-            i = end + 2
-            continue
-        i += 1
-    # Second pass over the comment-free text: drop commas followed only by whitespace and } or ].
-    # A comma only counts as trailing after a value (not after "{", "[", ":" or another ",").
-    clean = "".join(out)
-    in_string = False
-    last = ""  # last significant character outside strings
-    i = 0
-    while i < n:
-        c = clean[i]
-        if in_string:
-            if c == "\\":
-                i += 2
-                continue
-            if c == '"':
-                in_string = False
-                last = '"'
-        elif c == '"':
-            in_string = True
-        elif c == ",":
-            j = i + 1
-            while j < n and clean[j] in " \t\r\n":
-                j += 1
-            if j < n and clean[j] in "}]" and last not in ("", "{", "[", ":", ","):
-                out[i] = " "
-                used = True
-            else:
-                last = c
-        elif c not in " \t\r\n":
-            last = c
-        i += 1
-    return "".join(out), used
-
-
 class _DuplicateKey(ValueError):
     pass
 
 
+_NONFINITE = re.compile(r"(?<![\w\"])-?(?:NaN|Infinity)\b")  # literals only: linear
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook: a duplicate key is an error, as DeepSpeed 0.19.8's
+    ``runtime/config_utils.py::dict_raise_error_on_duplicate_keys`` makes it."""
     d: dict[str, Any] = {}
     for k, v in pairs:
         if k in d:
@@ -480,42 +410,85 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+def _strict_json(text: str) -> bool:
+    """True when the text is plain JSON (no comments, trailing commas, unquoted keys...)."""
+    def no_constant(name: str) -> Any:
+        raise ValueError(name)
+    try:
+        json.loads(text, parse_constant=no_constant)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def _key_position(text: str, key: str) -> str:
+    """' line L column C:' of the second occurrence of ``key`` written as a key, or ''."""
+    for needle in (json.dumps(key), key):
+        first = text.find(needle)
+        second = text.find(needle, first + 1) if first >= 0 else -1
+        if second >= 0:
+            line, col = _line_col(text, second)
+            return f" line {line} column {col}:"
+    return ""
 
 
 def parse_ds_json(text: str, where: str = "<config>") -> tuple[dict[str, Any], bool]:
-    """Parse a DeepSpeed JSON config; returns (dict, used_comments_or_trailing_commas).
+    """Parse a DeepSpeed config as DeepSpeed does; returns (dict, used_hjson_extensions).
 
-    Raises InputError naming ``where``, line and column for malformed input, duplicate keys
-    (DeepSpeed rejects them), NaN/Infinity, or a top level that is not an object.
+    DeepSpeed 0.19.8 (``runtime/config.py::DeepSpeedConfig.__init__``) reads a config file with
+    ``hjson.load(..., object_pairs_hook=dict_raise_error_on_duplicate_keys)``, so ``#`` and ``//``
+    comments, unquoted keys and trailing commas are accepted and duplicate keys rejected; this
+    reader calls the same library the same way. Raises InputError naming ``where``, line and
+    column for malformed input, duplicate keys, a number out of range, or a top level that is
+    not an object.
     """
-    clean, used = _strip_jsonc(text, where)
+    import hjson  # DeepSpeed's own dependency; imported here to keep `import zeroplan` light
+
     try:
-        data = json.loads(clean, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise InputError(
-            f"{where}: line {exc.lineno} column {exc.colno}: not valid JSON ({exc.msg})") from None
+        data = hjson.loads(text, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as exc:
         key = str(exc)
-        pos = clean.find(json.dumps(key))
-        pos2 = clean.find(json.dumps(key), pos + 1) if pos >= 0 else -1
-        loc = ""
-        if pos2 >= 0:
-            line, col = _line_col(clean, pos2)
-            loc = f" line {line} column {col}:"
         raise InputError(
-            f"{where}:{loc} duplicate key {key!r} in a JSON object "
+            f"{where}:{_key_position(text, key)} duplicate key {key!r} in a JSON object "
             "(DeepSpeed rejects duplicate keys)") from None
-    except ValueError as exc:  # NaN / Infinity
-        raise InputError(f"{where}: not valid JSON: {exc} (DeepSpeed's hjson rejects it)") from None
+    except hjson.HjsonDecodeError as exc:
+        const = _NONFINITE.search(text)
+        hint = f"; {const.group()} is not a JSON number" if const else ""
+        raise InputError(
+            f"{where}: line {exc.lineno} column {exc.colno}: not valid JSON/hjson ({exc.msg}{hint})") from None
     except RecursionError:
         raise InputError(f"{where}: JSON nested too deeply") from None
+    except IndexError:  # hjson 3.1 runs off the end of an unterminated /* comment
+        raise InputError(f"{where}: unterminated /* comment or string at the end of the file") from None
+    except (ValueError, OverflowError) as exc:  # 1e400 (hjson's OverflowError), a 5,000-digit integer
+        raise InputError(f"{where}: a number is out of range: {exc}") from None
     if not isinstance(data, dict):
         raise InputError(
             f"{where}: top level is a JSON {type(data).__name__}, expected an object "
             "such as {\"zero_optimization\": {...}}")
-    return data, used
+    _check_number_range(data, where)
+    return data, not _strict_json(text)
+
+
+_INT64_MAX = 2**63 - 1  # DeepSpeed hands counts to torch, which holds them as int64
+
+
+def _check_number_range(data: Any, where: str) -> None:
+    """Every number in the file: an integer within int64, a finite float (iterative walk)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        key, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((f"{key}[{i}]", x) for i, x in enumerate(v))
+        elif isinstance(v, bool):
+            continue
+        elif isinstance(v, int) and abs(v) > _INT64_MAX:
+            raise InputError(f"{where}: {key} = an integer of {len(str(abs(v)))} digits: beyond int64 "
+                             f"(|value| <= {_INT64_MAX})")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise InputError(f"{where}: {key} = {v}: expected a finite number")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1139,6 +1112,28 @@ def _read_top_level(r: _Reader, raw: dict[str, Any]) -> None:
             r.unknown(k, TOP_LEVEL_KEYS, "warning", "DeepSpeed ignores it")
 
 
+def _check_optimizer_numbers(r: _Reader, params: dict[str, Any]) -> None:
+    """lr, eps, weight_decay and betas: finite numbers in the ranges torch.optim.Adam/AdamW's
+    ``__init__`` (PyTorch 2.13) accepts; DeepSpeed passes them through unchanged. An infinite lr
+    passes torch's ``0.0 <= lr`` but is no plan anyone means: refused too."""
+    def bad(key: str, v: Any, want: str) -> None:
+        r.add("DS010", "error", f"optimizer.params.{key}", f"optimizer.params.{key} = {_fmt(v)}: expected {want}", v)
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for key in ("lr", "eps", "weight_decay"):
+        v = params.get(key)
+        if v is None or _is_auto(v):
+            continue
+        if not number(v) or v < 0:
+            bad(key, v, "a finite number >= 0 (torch.optim raises 'Invalid ...' otherwise)")
+    betas = params.get("betas")
+    if betas is not None and not _is_auto(betas):
+        if not isinstance(betas, list) or len(betas) != 2 or not all(number(b) and 0 <= b < 1 for b in betas):
+            bad("betas", betas, "two finite numbers in [0, 1) (torch.optim raises 'Invalid beta parameter')")
+
+
 def _read_optimizer(r: _Reader, raw: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     opt = raw.get("optimizer")
     if opt is None:
@@ -1172,6 +1167,7 @@ def _read_optimizer(r: _Reader, raw: dict[str, Any]) -> tuple[str | None, dict[s
         r.add("DS006", "info", "optimizer.params",
               f"optimizer.params {', '.join(autos)} = \"auto\": filled by the HF Trainer from its "
               "training arguments; they do not change memory or communication", None)
+    _check_optimizer_numbers(r, params)
     mgn = params.get("max_grad_norm")
     if isinstance(mgn, (int, float)) and not isinstance(mgn, bool) and mgn > 0:
         r.add("DS010", "warning", "optimizer.params.max_grad_norm",
@@ -1254,7 +1250,8 @@ def load_ds_config(source: str | Path | dict, *, strict: bool = False,
     r = _Reader(where, path or "", strict)
     if used_ext:
         r.add("DS011", "warning", "",
-              "the file uses comments or trailing commas: DeepSpeed (hjson) accepts them, but "
+              "the file uses hjson syntax (comments, trailing commas, unquoted keys or strings): DeepSpeed "
+              "accepts it, but "
               "json.load-based readers such as Accelerate's HfDeepSpeedConfig reject the file", None)
     _read_top_level(r, raw)
     zero = _read_zero(r, raw, raw.get("zero_optimization"), hidden_size)
@@ -1263,6 +1260,7 @@ def load_ds_config(source: str | Path | dict, *, strict: bool = False,
     clipping = _read_clipping(r, raw)
     comm = _read_comm_dtype(r, raw)
     tb, mb, gas = _read_batch(r, raw, micro_batch, grad_accum, world_size)
+    _check_hpz(r, zero, world_size)
     r.raise_if_strict()
     return DSConfig(
         path=path, raw=raw, zero=zero, precision=prec, precision_source=prec_source,
@@ -1270,6 +1268,28 @@ def load_ds_config(source: str | Path | dict, *, strict: bool = False,
         train_batch_size=tb, micro_batch=mb, grad_accum=gas, communication_data_type=comm,
         auto_resolved=r.auto, findings=r.findings,
     )
+
+
+def hpz_group_size(partition_size: int, world_size: int) -> int:
+    """Ranks in one hpZ secondary-partition group: min(zero_hpz_partition_size, world size).
+
+    DeepSpeed 0.19.8 ``utils/groups.py::_create_zero_param_parallel_group`` builds groups of
+    ``min(group_size, world_size)`` consecutive ranks and asserts (``_ensure_divisibility``) that
+    the world size is divisible by it; ``runtime/zero/stage3.py`` only does so when the size is > 1.
+    """
+    return min(max(int(partition_size), 1), int(world_size))
+
+
+def _check_hpz(r: "_Reader", zero: "ZeroConfig", world_size: int | None) -> None:
+    hpz = int(zero.zero_hpz_partition_size or 1)
+    if world_size is None or zero.stage != 3 or hpz <= 1:
+        return
+    group = hpz_group_size(hpz, world_size)
+    if world_size % group:
+        r.add("DS010", "error", "zero_optimization.zero_hpz_partition_size",
+              f"zero_optimization.zero_hpz_partition_size = {hpz}: the world size {world_size} is not divisible "
+              f"by min({hpz}, {world_size}) = {group}; DeepSpeed 0.19.8 asserts it "
+              "(utils/groups.py::_create_zero_param_parallel_group → _ensure_divisibility)", hpz)
 
 
 # --------------------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ class OverheadSpec(_Strict):
     """Framework allowances per GPU, reported as their own memory category."""
 
     cuda_context_bytes: int  # CUDA/HIP context + library workspaces
-    nccl_bytes: int  # communicator buffers
+    nccl_bytes: int  # NCCL buffers per communicator (core/allocator.py counts the communicators)
     fragmentation_fraction: float  # of the live peak (caching-allocator slack)
 
 
@@ -151,7 +151,7 @@ _BOUNDS: dict[str, tuple[float, float, str, str, bool]] = {
     "gpu.peak_flops": (1e12, 1e16, "1e12 to 1e16 FLOP/s", "FLOP/s, not TFLOP/s? 989 TFLOP/s = 989e12", False),
     "gpu.hbm_bandwidth_GBps": (50, 20000, "50 to 20000 GB/s", "GB/s, not TB/s? 3.35 TB/s = 3350 GB/s", False),
     "node.gpus_per_node": (1, 72, "1 to 72 GPUs", "", False),
-    "node.host_ram_bytes": (GiB, 64 * TiB, "1 GiB to 64 TiB, in bytes", "bytes, not GB or GiB?", False),
+    "node.host_ram_bytes": (4 * GiB, 64 * TiB, "4 GiB to 64 TiB, in bytes", "bytes, not KiB, GB or GiB?", False),
     "node.pcie_bandwidth_GBps_per_gpu": (1, 1000, "1 to 1000 GB/s per GPU",
                                          "GB/s unidirectional per GPU; PCIe 4.0 x16 = ~32 GB/s", False),
     "node.nvme_bandwidth_GBps": (0.1, 1000, "0.1 to 1000 GB/s per node, or 0 for no NVMe", "GB/s, not MB/s?", True),

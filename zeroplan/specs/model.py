@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel, Field
 
-from zeroplan._util import InputError, parse_count, read_text_file
+from zeroplan._util import InputError, display_path, parse_count, read_text_file, safe_text
 
 __all__ = [
     "ParamTensor",
@@ -756,7 +756,9 @@ def _load_path(p: Path) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise InputError(f"{p}: expected a JSON object (an HF config.json), got {type(cfg).__name__}")
     name = cfg.get("_name_or_path") if isinstance(cfg.get("_name_or_path"), str) and cfg.get("_name_or_path") else None
-    return spec_from_config(cfg, name or (p.parent.name if p.name == "config.json" else p.stem), f"config:{p}")
+    # names reach the terminal through rich: no ANSI escapes, control characters or lone surrogates
+    name = safe_text(name or (p.parent.name if p.name == "config.json" else p.stem))
+    return spec_from_config(cfg, name, f"config:{display_path(p)}")
 
 
 # --------------------------------------------------------------------------- Hugging Face Hub ids
@@ -829,7 +831,11 @@ def load_model(ref: str) -> ModelSpec:
     if not isinstance(ref, str) or not ref.strip():
         raise InputError("model: empty reference, expected a catalog name, a config.json path or a count such as 7B")
     p = Path(ref).expanduser()
-    if p.exists():
+    try:
+        exists = p.exists()
+    except (OSError, ValueError) as exc:  # a name over NAME_MAX, an embedded NUL
+        raise InputError(f"{display_path(ref)}: cannot read model config: {getattr(exc, 'strerror', None) or exc}") from None
+    if exists:
         return _load_path(p)
     key = ref.strip().lower()
     if key in _catalog_files():

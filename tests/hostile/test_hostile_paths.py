@@ -1,0 +1,389 @@
+"""Issue 17 §1-§2: hostile output and input paths.
+
+An output that is a symlink, a FIFO, a character device or the same file as an input leaves the
+file system exactly as it was except the intended target (checked with os.lstat before and
+after); inputs that are FIFOs, devices or huge never hang and are one line; paths are literal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from zeroplan._util import (
+    CONFIG_MAX_BYTES,
+    InputError,
+    atomic_write_text,
+    read_text_file,
+    validate_output_path,
+)
+from zeroplan.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+DS = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+      "zero_optimization": {"stage": 2}}
+
+
+def snapshot(d: Path) -> dict[str, tuple]:
+    """(mode, inode, size, link target) of every entry under d, not following links."""
+    out = {}
+    for p in sorted(d.rglob("*")):
+        s = os.lstat(p)
+        out[str(p.relative_to(d))] = (s.st_mode, s.st_ino, s.st_size if stat.S_ISREG(s.st_mode) else 0,
+                                      os.readlink(p) if stat.S_ISLNK(s.st_mode) else None)
+    return out
+
+
+def one_line_exit_2(r) -> str:
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.exit_code, r.exception, r.output[-600:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.output, r.stderr
+    return lines[0]
+
+
+def _ds(tmp: Path) -> Path:
+    p = tmp / "ds.json"
+    p.write_text(json.dumps(DS))
+    return p
+
+
+# Commands that write, each with the input it reads: (argv builder(out, ds_config), option name)
+WRITERS = {
+    "check --output": lambda out, ds: ["check", str(ds), "--model", "llama-2-7b", "--hardware", "dgx-h100",
+                                       "--gpus", "8", "--format", "json", "--output", str(out)],
+    "report --html": lambda out, ds: ["report", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", str(ds),
+                                      "--max-nodes", "1", "--html", str(out)],
+    "report --svg": lambda out, ds: ["report", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", str(ds),
+                                     "--max-nodes", "1", "--svg", str(out)],
+    "recommend --emit-config": lambda out, ds: ["recommend", "--model", "llama-2-7b", "--hardware", "dgx-h100",
+                                                "--gpus", "8", "--ds-config", str(ds), "--emit-config", str(out)],
+}
+
+
+@pytest.mark.parametrize("how", ["same-path", "dot-slash", "symlink", "hardlink"])
+@pytest.mark.parametrize("cmd", list(WRITERS))
+def test_output_that_is_an_input_is_refused_before_work(cmd, how, tmp_path, monkeypatch):
+    ds = _ds(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    out = {"same-path": ds, "dot-slash": Path(".") / ds.name, "symlink": tmp_path / "link.json",
+           "hardlink": tmp_path / "hard.json"}[how]
+    if how == "symlink":
+        os.symlink(ds, out)
+    if how == "hardlink":
+        os.link(ds, out)
+    before, content = snapshot(tmp_path), ds.read_bytes()
+    import importlib
+
+    import zeroplan.core.plan as plan
+
+    def no_work(*a, **k):
+        raise AssertionError("planning ran before the output path was validated")
+
+    for name in ("zeroplan.advice.check", "zeroplan.advice.recommend", "zeroplan.commands.report"):
+        importlib.import_module(name)
+    for mod in [m for n, m in sys.modules.items() if n.startswith("zeroplan")]:
+        if getattr(mod, "evaluate", None) is plan.evaluate:  # modules that imported it by name too
+            monkeypatch.setattr(mod, "evaluate", no_work)
+    msg = one_line_exit_2(runner.invoke(app, WRITERS[cmd](out, ds)))
+    assert "same file as" in msg
+    assert snapshot(tmp_path) == before and ds.read_bytes() == content
+
+
+def test_save_profile_naming_the_hardware_file_is_refused(tmp_path):
+    prof = tmp_path / "p.toml"
+    prof.write_text((REPO / "hardware_profiles" / "dgx-h100.toml").read_text())
+    with pytest.raises(InputError, match="same file as the input --hardware"):
+        validate_output_path(prof, option="--save-profile", inputs={"--hardware": str(prof)})
+    r = runner.invoke(app, ["bench", "collectives", "--hardware", str(prof), "--save-profile", str(prof)])
+    assert "same file" in one_line_exit_2(r)
+
+
+@pytest.mark.parametrize("cmd", list(WRITERS))
+def test_symlinked_output_writes_its_target_and_keeps_the_link(cmd, tmp_path):
+    ds = _ds(tmp_path)
+    real_dir = tmp_path / "real"
+    real_dir.mkdir()
+    target = real_dir / "out.file"
+    target.write_text("old")
+    os.chmod(target, 0o640)
+    link = tmp_path / "link.out"
+    os.symlink(target, link)
+    link_before = os.lstat(link)
+    r = runner.invoke(app, WRITERS[cmd](link, ds))
+    assert r.exit_code in (0, 1), r.output[-800:]
+    after = os.lstat(link)
+    assert stat.S_ISLNK(after.st_mode) and after.st_ino == link_before.st_ino and os.readlink(link) == str(target)
+    assert target.read_text() != "old" and stat.S_IMODE(os.stat(target).st_mode) == 0o640
+    assert sorted(p.name for p in real_dir.iterdir()) == ["out.file"]
+
+
+def test_dangling_symlink_creates_its_target(tmp_path):
+    target = tmp_path / "sub" / "new.txt"
+    target.parent.mkdir()
+    os.symlink(target, tmp_path / "link")
+    atomic_write_text(tmp_path / "link", "x")
+    assert target.read_text() == "x" and (tmp_path / "link").is_symlink()
+
+
+def test_fifo_output_without_reader_is_one_line_and_untouched(tmp_path):
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    before = snapshot(tmp_path)
+    msg = one_line_exit_2(runner.invoke(app, WRITERS["check --output"](fifo, _ds(tmp_path))))
+    assert "FIFO" in msg and "no reader" in msg
+    after = snapshot(tmp_path)
+    after.pop("ds.json")
+    assert after == before
+
+
+def test_fifo_output_with_reader_is_written_in_place(tmp_path):
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))  # noqa: SIM115
+    reader.start()
+    time.sleep(0.2)  # let the reader open its end (the writer would otherwise report "no reader")
+    ino = os.lstat(fifo).st_ino
+    atomic_write_text(fifo, "hello through the pipe")
+    reader.join(10)
+    assert got == [b"hello through the pipe"]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.lstat(fifo).st_ino == ino
+    assert [p.name for p in tmp_path.iterdir()] == ["out.fifo"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a character device needs root")
+def test_char_device_output_is_written_in_place_never_replaced(tmp_path):
+    dev = tmp_path / "null"
+    os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a private /dev/null node, never the real one
+    before = snapshot(tmp_path)
+    r = runner.invoke(app, WRITERS["check --output"](dev, _ds(tmp_path)))
+    assert r.exit_code in (0, 1), r.output[-600:]
+    after = snapshot(tmp_path)
+    after.pop("ds.json")
+    assert after == before and stat.S_ISCHR(os.lstat(dev).st_mode)
+
+
+@pytest.mark.parametrize("path_kind", ["directory", "trailing-slash", "socket"])
+def test_unwritable_kinds_are_refused(path_kind, tmp_path):
+    import socket
+
+    if path_kind == "directory":
+        (tmp_path / "d").mkdir()
+        out = str(tmp_path / "d")
+    elif path_kind == "trailing-slash":
+        out = str(tmp_path / "newdir") + "/"
+    else:
+        out = str(tmp_path / "s.sock")
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(out)
+    before = snapshot(tmp_path)
+    with pytest.raises(InputError):
+        validate_output_path(out, option="--output")
+    msg = one_line_exit_2(runner.invoke(app, WRITERS["report --html"](out, _ds(tmp_path))))
+    assert "--html" in msg
+    after = snapshot(tmp_path)
+    after.pop("ds.json")
+    assert after == before
+
+
+def test_long_file_name_keeps_temp_within_255_bytes(tmp_path):
+    name = "é" * 127  # 254 bytes: the longest legal name; the temp name must not exceed NAME_MAX
+    atomic_write_text(tmp_path / name, "x")
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_mode_follows_the_existing_target(tmp_path):
+    p = tmp_path / "f"
+    p.write_text("old")
+    os.chmod(p, 0o600)
+    atomic_write_text(p, "new")
+    assert stat.S_IMODE(os.stat(p).st_mode) == 0o600 and p.read_text() == "new"
+
+
+_NAME = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="/\x00"), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=_NAME, kind=st.sampled_from(["absent", "file", "symlink", "fifo", "dir"]))
+def test_property_output_kinds(tmp_path_factory, name, kind):
+    """Over random names and file kinds: the write lands on the intended target or is one InputError,
+    and nothing else in the directory changes."""
+    if name in (".", ".."):
+        return
+    d = tmp_path_factory.mktemp("w")
+    (d / "keep").write_text("k")
+    p = d / name
+    if kind == "file":
+        p.write_text("old")
+    elif kind == "symlink":
+        os.symlink(d / "keep", p)
+    elif kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "dir":
+        p.mkdir()
+    before = snapshot(d)
+    try:
+        atomic_write_text(p, "new")
+    except InputError as exc:
+        assert "\n" not in str(exc)
+        assert snapshot(d) == before
+        return
+    assert kind in ("absent", "file", "symlink")
+    written = d / "keep" if kind == "symlink" else p
+    assert written.read_text() == "new"
+    after = snapshot(d)
+    changed = {k for k in after if after[k] != before.get(k)} | (set(before) - set(after))
+    assert changed <= {written.name}
+
+
+# ----------------------------------------------------------------------------------- §2 reading
+
+def _fifo(p: Path) -> None:
+    os.mkfifo(p)
+
+
+def _zero_link(p: Path) -> None:
+    os.symlink("/dev/zero", p)
+
+
+def _huge(p: Path) -> None:
+    with open(p, "wb") as fh:
+        fh.truncate(CONFIG_MAX_BYTES + 10)  # sparse: no disk used
+
+
+@pytest.mark.parametrize("maker,needle", [(_fifo, "FIFO"), (_zero_link, "character device"), (_huge, "over")],
+                         ids=["fifo", "symlink-to-dev-zero", "over-cap"])
+@pytest.mark.parametrize("role", ["--ds-config", "--model", "--hardware", "check", "nccl-log"])
+def test_hostile_input_files_never_hang(maker, needle, role, tmp_path):
+    p = tmp_path / "input.json"
+    maker(p)
+    args = {"--ds-config": ["estimate", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", str(p)],
+            "--model": ["estimate", "--model", str(p), "--gpus", "8"],
+            "--hardware": ["estimate", "--model", "llama-2-7b", "--gpus", "8", "--hardware", str(p)],
+            "check": ["check", str(p), "--model", "llama-2-7b", "--hardware", "dgx-h100", "--gpus", "8"],
+            "nccl-log": ["nccl-log", str(p)]}[role]
+    if role == "nccl-log" and maker is _huge:
+        pytest.skip("the NCCL log cap is larger (LOG_MAX_BYTES); covered by the library test below")
+    r = runner.invoke(app, args)
+    if role == "check" and maker is _huge:  # a regular but unreadable config is check's ZP000 finding
+        assert r.exit_code == 1 and "ZP000" in r.stdout and "over" in r.stdout, r.output[-600:]
+        return
+    msg = one_line_exit_2(r)
+    assert needle in msg, msg
+
+
+def test_read_cap_is_enforced_whatever_the_file_claims(tmp_path):
+    p = tmp_path / "big.json"
+    p.write_bytes(b"{" + b" " * 2000 + b"}")
+    with pytest.raises(InputError, match="over"):
+        read_text_file(p, "DeepSpeed config", max_bytes=1000)
+
+
+def test_check_paths_are_literal_and_glob_is_explicit(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds[1].json").write_text(json.dumps(DS))
+    (tmp_path / "ds1.json").write_text(json.dumps(DS))
+    base = ["--model", "llama-2-7b", "--hardware", "dgx-h100", "--gpus", "8", "--format", "json"]
+    r = runner.invoke(app, ["check", "ds[1].json", *base])
+    assert r.exit_code in (0, 1), r.output[-600:]
+    assert [f["path"] for f in json.loads(r.stdout)["files"]] == ["ds[1].json"]
+    r = runner.invoke(app, ["check", "--glob", "ds[1].json", *base])
+    assert [f["path"] for f in json.loads(r.stdout)["files"]] == ["ds1.json"]  # [1] is a character class
+    r = runner.invoke(app, ["check", "--glob", "ds*.json", *base])
+    assert sorted(f["path"] for f in json.loads(r.stdout)["files"]) == ["ds1.json", "ds[1].json"]
+    assert "--glob" in one_line_exit_2(runner.invoke(app, ["check", "nomatch*.json", *base]))
+
+
+def test_tilde_expands(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ds.json").write_text(json.dumps(DS))
+    r = runner.invoke(app, ["check", "~/ds.json", "--model", "llama-2-7b", "--hardware", "dgx-h100", "--gpus", "8"])
+    assert r.exit_code in (0, 1), r.output[-600:]
+    r = runner.invoke(app, ["estimate", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", "~/ds.json", "--json"])
+    assert r.exit_code == 0, r.output[-600:]
+    import pwd
+
+    from zeroplan._util import expand_path
+
+    me = pwd.getpwuid(os.getuid())
+    assert expand_path(f"~{me.pw_name}/ds.json") == os.path.join(me.pw_dir, "ds.json")
+
+
+@pytest.mark.parametrize("name", ["a" * 300, "x" * 250 + "/" + "y" * 300, "caf\udce9.json", "ansi\x1b[31m.json",
+                                  "[bold]markup[/bold].json"])
+def test_odd_names_are_reported_not_tracebacks(name, tmp_path):
+    p = str(tmp_path / name)
+    msg = one_line_exit_2(runner.invoke(app, ["estimate", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", p]))
+    assert "\x1b" not in msg and "\udce9" not in msg
+    if "markup" in name:
+        assert "[bold]markup[/bold]" in msg  # printed literally, not interpreted as rich markup
+
+
+# ----------------------------------------------------------------------------------- signals and stdout
+
+def _zeroplan(args: list[str], **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "zeroplan", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+@pytest.mark.slow
+def test_sigterm_exits_143_with_one_line_and_no_temp_left(tmp_path):
+    out = tmp_path / "report.html"
+    out.write_text("old")
+    # a writer stuck between write and rename: fsync sleeps until the signal arrives
+    code = ("import os, time, sys; real = os.fsync\n"
+            "def slow(fd):\n    open(sys.argv[1] + '.started', 'w').close() if False else None\n"
+            "    os.write(2, b''); time.sleep(60)\n"
+            "os.fsync = slow\nfrom zeroplan.cli import main\n"
+            "main(['report', '--model', 'llama-2-7b', '--gpus', '8', '--max-nodes', '1', '--html', sys.argv[1]])\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "the writer never started"
+    time.sleep(0.3)  # any moment works (the temp is registered under a signal mask); this one is mid-write
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err.decode()
+    lines = [ln for ln in err.decode().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "terminated" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"] and out.read_text() == "old"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env_over,target", [({}, "/dev/full"), ({"LC_ALL": "C", "PYTHONIOENCODING": "ascii"}, None)])
+def test_stdout_that_cannot_take_the_output(env_over, target):
+    env = dict(os.environ, PYTHONPATH=str(REPO), **env_over)
+    args = [sys.executable, "-m", "zeroplan", "models", "show", "llama-2-7b"]
+    if target:
+        with open(target, "w") as fh:
+            r = subprocess.run(args, cwd=REPO, env=env, stdout=fh, stderr=subprocess.PIPE, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.decode().strip().splitlines()) == 1, r.stderr.decode()
+    else:
+        r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, timeout=60)
+        assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode()
+
+
+@pytest.mark.slow
+def test_closed_pipe_exits_quietly():
+    proc = _zeroplan(["models", "list"])
+    proc.stdout.close()  # the reader went away before zeroplan wrote
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert "Traceback" not in err and proc.returncode in (0, 1, 141), (proc.returncode, err)

@@ -1,0 +1,262 @@
+"""zeroplan's public Python API: typed planning calls, the layer the CLI is a thin shell over.
+
+Layers: specs → core → advice / report → **api** → commands / cli. Every call takes an options
+model (zeroplan/options.py) or the same fields as keywords, and returns a pydantic model; the CLI's
+``--json`` prints exactly ``result.model_dump(mode="json")``::
+
+    import zeroplan
+
+    result = zeroplan.estimate(model="llama-2-7b", gpus=8, precision="bf16")
+    for plan in result.stages:
+        print(plan.stage, plan.memory.peak)
+
+- :func:`estimate` → :class:`~zeroplan.core.plan.EstimateResult`: per-GPU memory, communication
+  and step time for the chosen ZeRO stages.
+- :func:`recommend` → :class:`~zeroplan.advice.recommend.Recommendation`: the stage, offload,
+  micro-batch, checkpointing and buckets to use, and why.
+- :func:`check` → :class:`~zeroplan.advice.check.CheckReport`: the CI gate over DeepSpeed configs.
+- :func:`build_report` → :class:`~zeroplan.report.sweep.ReportData`: plans plus sweeps over GPUs
+  and nodes.
+- :func:`read_nccl_log` → :class:`~zeroplan.inspect.nccl_log.NcclLogReport`.
+- :func:`load_model`, :func:`load_profile`, :func:`load_ds_config`: the readers.
+
+A user mistake (unknown model, bad value, a DeepSpeed config DeepSpeed would refuse) raises
+:class:`zeroplan.InputError` naming the option or file, the value and what was
+expected; an unknown field or a value of the wrong type raises pydantic's ``ValidationError``.
+No call imports torch or rich.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+
+from zeroplan._util import InputError
+from zeroplan.core.inputs import PlanInputs, annotate_ds_config, build_plan_inputs, refuse_ds_errors
+from zeroplan.core.plan import ClusterSummary, EstimateResult, evaluate, model_summary, training_summary
+from zeroplan.options import (
+    COMM_MODELS, CheckOptions, CommonOptions, PlanOptions, RecommendOptions, ReportOptions,
+)
+from zeroplan.specs.deepspeed_config import DSConfig, load_ds_config
+from zeroplan.specs.hardware import HardwareProfile, load_profile
+from zeroplan.specs.model import ModelSpec, load_model
+
+if TYPE_CHECKING:  # result types of heavier modules, imported when a call needs them (see __getattr__)
+    from zeroplan.advice.check import CheckReport
+    from zeroplan.advice.recommend import Recommendation
+    from zeroplan.inspect.nccl_log import NcclLogReport
+    from zeroplan.report.sweep import ReportData
+
+__all__ = [
+    "estimate", "recommend", "check", "build_report", "read_nccl_log", "plan_inputs",
+    "load_model", "load_profile", "load_ds_config",
+    "CommonOptions", "PlanOptions", "RecommendOptions", "CheckOptions", "ReportOptions",
+    "ModelSpec", "HardwareProfile", "DSConfig", "PlanInputs", "InputError",
+]
+
+O = TypeVar("O", bound=CommonOptions)
+
+# build_plan_inputs' keywords, in its order (they are all keyword-only): an option with one of
+# these names is passed to it. Read from the code object, which costs nothing (inspect does).
+_code = build_plan_inputs.__code__
+_INPUT_KEYWORDS: tuple[str, ...] = _code.co_varnames[_code.co_argcount:_code.co_argcount + _code.co_kwonlyargcount]
+del _code
+_API_ONLY = ("expandable_segments",)  # options with no CLI flag (yet)
+
+
+def _options(cls: type[O], options: O | None, fields: dict[str, Any]) -> O:
+    """``options`` (a ``cls``), the keyword ``fields``, or both (the keywords override)."""
+    if options is None:
+        return cls(**fields)
+    if not isinstance(options, cls):
+        raise TypeError(f"expected {cls.__name__}, got {type(options).__name__}")
+    return options if not fields else cls(**{**options.model_dump(), **fields})
+
+
+def plan_kwargs(options: CommonOptions) -> dict[str, Any]:
+    """The options that are ``build_plan_inputs`` keywords, in its order."""
+    return {k: getattr(options, k) for k in _INPUT_KEYWORDS if k in type(options).model_fields}
+
+
+def _validate_model_options(options: CommonOptions) -> None:
+    if options.comm_model not in COMM_MODELS:
+        raise InputError(f"--flavour (--comm-model) {options.comm_model!r} is unknown; expected deepspeed or paper")
+    if options.mfu is not None and not (1e-3 <= options.mfu <= 1):
+        raise InputError(f"--mfu {options.mfu} must be in [0.001, 1]")
+
+
+def _needs_hardware(options: CommonOptions, command: str, why: str = "") -> None:
+    if not options.hardware:
+        raise InputError(f"{command} needs --hardware (a profile name from `zeroplan profiles list` or a TOML path)"
+                         + why)
+
+
+def plan_inputs(options: CommonOptions | None = None, /, **fields: Any) -> PlanInputs:
+    """The typed planning inputs (model spec, hardware, training, ZeRO configs) for the options;
+    refuses a DeepSpeed config DeepSpeed would refuse unless ``lenient``."""
+    opts = _options(PlanOptions if options is None else type(options), options, fields)
+    inp = build_plan_inputs(**plan_kwargs(opts))
+    if not getattr(opts, "lenient", False):
+        refuse_ds_errors(inp.ds)
+    return inp
+
+
+def _estimate(opts: PlanOptions) -> tuple[EstimateResult, PlanInputs]:
+    _validate_model_options(opts)
+    inp = plan_inputs(opts)
+    plans = [
+        evaluate(model=inp.spec, training=inp.training, zero=inp.zero(s), n_gpus=inp.n_gpus,
+                 gpus_per_node=inp.gpus_per_node, hardware=inp.hardware, comm_model=opts.comm_model, mfu=opts.mfu)
+        for s in inp.stages
+    ]
+    hw = inp.hardware
+    result = EstimateResult(
+        model=model_summary(inp.spec),
+        cluster=ClusterSummary(
+            n_gpus=inp.n_gpus, nodes=inp.nodes, gpus_per_node=inp.gpus_per_node,
+            hardware=hw.name if hw is not None else None, gpu=hw.gpu.name if hw is not None else None,
+            gpu_memory_bytes=hw.gpu.memory_bytes if hw is not None else None,
+        ),
+        training=training_summary(inp.training),
+        comm_model=opts.comm_model,
+        assumptions=inp.assumptions,
+        ds_config_findings=list(inp.ds.findings) if inp.ds is not None else [],
+        stages=plans,
+    )
+    return result, inp
+
+
+def estimate(options: PlanOptions | None = None, /, **fields: Any) -> EstimateResult:
+    """Per-GPU memory (by category and phase), host RAM, collectives and step time for each ZeRO
+    stage asked for (all four by default, or the DeepSpeed config's).
+
+    ``zeroplan.estimate(model="llama-2-70b", hardware="dgx-h100", nodes=4, precision="bf16")``;
+    the keywords are :class:`PlanOptions`' fields. Time figures need ``hardware``.
+    """
+    return _estimate(_options(PlanOptions, options, fields))[0]
+
+
+def _recommend(opts: RecommendOptions, inp: PlanInputs,
+               progress: Callable[[int, int], None] | None = None) -> Any:
+    from zeroplan.advice.recommend import recommend as search
+
+    return search(inp, headroom=opts.headroom, comm_model=opts.comm_model, mfu=opts.mfu,
+                  max_micro_batch=opts.max_micro_batch, micro_batch=opts.micro_batch,
+                  checkpointing=opts.checkpointing,
+                  stages=None if opts.stage is None else ([opts.stage] if isinstance(opts.stage, int) else opts.stage),
+                  allow_nvme=opts.allow_nvme, top=opts.top, progress=progress)
+
+
+def recommend(options: RecommendOptions | None = None, /, *,
+              progress: Callable[[int, int], None] | None = None, **fields: Any) -> Recommendation:
+    """Which ZeRO stage, offload, micro-batch, checkpointing and buckets to use on this cluster, and
+    why: capacity first (peak per GPU, host RAM and NVMe per node fit with ``headroom``), then the
+    highest useful throughput. ``hardware`` is required.
+
+    The chosen DeepSpeed config (``ds_config`` of the result) carries a ``zeroplan`` block with the
+    sequence length, checkpointing and flash attention it was planned for, so :func:`check` reads
+    them back. ``progress(done, total)`` is called as the search runs.
+    """
+    opts = _options(RecommendOptions, options, fields)
+    _needs_hardware(opts, "recommend")
+    if opts.top < 1:
+        raise InputError(f"--top {opts.top} must be a positive integer")
+    _validate_model_options(opts)
+    inp = plan_inputs(opts)
+    rec = _recommend(opts, inp, progress)
+    if rec.ds_config is not None and rec.chosen is not None:
+        rec.ds_config = annotate_ds_config(
+            rec.ds_config, seq_len=inp.training.seq_len, checkpointing=rec.chosen.checkpointing,
+            flash_attention=inp.training.flash_attention, model=inp.spec.name,
+            hardware=inp.hardware.name if inp.hardware is not None else None, n_gpus=inp.n_gpus)
+    return rec
+
+
+def check(configs: str | Sequence[str], options: CheckOptions | None = None, /, **fields: Any) -> CheckReport:
+    """Gate DeepSpeed config files (literal paths; globs, ``**`` recursive, with ``expand_globs``) against the model on the
+    hardware: OOM, host RAM, NVMe, communication and stage/offload rules, plus the DeepSpeed
+    reader's findings. ``hardware`` is required. The report's ``verdict`` is "fail" when a finding
+    reaches ``fail_on``; ``exit_code`` is what ``zeroplan check`` exits with.
+    """
+    from zeroplan.advice.check import run_check
+
+    opts = _options(CheckOptions, options, fields)
+    _needs_hardware(opts, "check", ": its rules compare memory and links with the hardware")
+    patterns = [configs] if isinstance(configs, str) else list(configs)
+    return run_check(patterns, fail_on=opts.fail_on, **plan_kwargs(opts), comm_model=opts.comm_model,
+                     mfu=opts.mfu, max_comm_share=opts.max_comm_share, min_headroom=opts.headroom,
+                     expand_globs=opts.expand_globs)
+
+
+def build_report(options: ReportOptions | None = None, /, *,
+                 progress: Callable[[int, int], None] | None = None, **fields: Any) -> ReportData:
+    """The report: the plans at the chosen cluster, every stage swept over 1, 2, 4, … GPUs up to
+    ``max_nodes`` nodes (memory) and, with hardware, over whole nodes (time), and what
+    :func:`recommend` chooses for the same inputs. ``progress(done, total)`` follows the sweep.
+    """
+    from zeroplan.report.sweep import (
+        MAX_SWEEP_NODES, build_report_data, recommendation_summary, sweep_evaluations,
+    )
+
+    opts = _options(ReportOptions, options, fields)
+    if not 1 <= opts.max_nodes <= MAX_SWEEP_NODES:
+        raise InputError(f"--max-nodes {opts.max_nodes} must be between 1 and {MAX_SWEEP_NODES}")
+    result, inp = _estimate(opts)
+    on_step = None
+    if progress is not None:
+        total, done = sweep_evaluations(inp, opts.max_nodes), [0]
+
+        def on_step() -> None:
+            done[0] += 1
+            progress(done[0], total)
+    rec = None
+    if inp.hardware is not None:
+        # what `zeroplan recommend` chooses for the same inputs: it searches every stage and checkpointing
+        searched = set(RecommendOptions.model_fields) - {"stage", "checkpointing"}
+        rec = recommendation_summary(_recommend(RecommendOptions(**opts.model_dump(include=searched)), inp))
+    # the options as given (the CLI's flags that were set, and --strict); API-only fields only when set
+    inputs = {k: v for k, v in plan_kwargs(opts).items()
+              if v is not None and not (k in _API_ONLY and v == ReportOptions.model_fields[k].default)}
+    return build_report_data(result, inp, max_nodes=opts.max_nodes, comm_model=opts.comm_model, mfu=opts.mfu,
+                             inputs=inputs, recommendation=rec, on_step=on_step)
+
+
+def read_nccl_log(file: str, plan: PlanOptions | None = None, /, *, steps: int = 1,
+                  nranks: int | None = None) -> NcclLogReport:
+    """Summarise an NCCL_DEBUG=INFO log (version, ranks, rings/trees, transports, collectives,
+    warnings) and, given ``plan`` (one ZeRO stage), compare its predicted collective ledger with
+    the collectives the log shows, per op and rank, over ``steps`` optimizer steps, on
+    communicators of ``nranks`` ranks (default: the plan's GPUs)."""
+    from zeroplan._util import LOG_MAX_BYTES, read_text_file
+    from zeroplan.inspect.nccl_log import NcclLogPlan, NcclLogReport, compare_with_ledger, parse_nccl_log
+
+    text = read_text_file(file, "NCCL log", max_bytes=LOG_MAX_BYTES)
+    summary = parse_nccl_log(text)
+    if summary.lines_nccl == 0 and not summary.issues and summary.nccl_version is None:
+        raise InputError(f"{file}: no NCCL log lines found (expected lines such as "
+                         "'host:pid:tid [0] NCCL INFO ...'; run with NCCL_DEBUG=INFO)")
+    if steps < 1:
+        raise InputError(f"--steps {steps} must be a positive integer")
+    if plan is None:
+        return NcclLogReport(file=str(file), summary=summary)
+    _validate_model_options(plan)
+    inp = plan_inputs(plan)
+    if len(inp.stages) != 1:
+        raise InputError("nccl-log compares one plan: give --stage or a --ds-config with zero_optimization.stage")
+    stage = inp.stages[0]
+    p = evaluate(model=inp.spec, training=inp.training, zero=inp.zero(stage), n_gpus=inp.n_gpus,
+                 gpus_per_node=inp.gpus_per_node, hardware=inp.hardware, comm_model=plan.comm_model, mfu=plan.mfu)
+    comparison = compare_with_ledger(summary, p.comm.collectives, steps=steps,
+                                     nranks=nranks if nranks is not None else inp.n_gpus)
+    return NcclLogReport(file=str(file), summary=summary, comparison=comparison,
+                         plan=NcclLogPlan(stage=stage, n_gpus=inp.n_gpus, comm_model=plan.comm_model, model=plan.model))
+
+
+def __getattr__(name: str) -> Any:
+    # result types named in the signatures above, imported on first use (their modules are heavier)
+    where = {"Recommendation": "zeroplan.advice", "CheckReport": "zeroplan.advice",
+             "ReportData": "zeroplan.report.sweep", "NcclLogReport": "zeroplan.inspect.nccl_log"}
+    if name in where:
+        import importlib
+
+        return getattr(importlib.import_module(where[name]), name)
+    raise AttributeError(f"module 'zeroplan.api' has no attribute {name!r}")

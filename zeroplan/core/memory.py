@@ -209,7 +209,7 @@ def memory_for_stage(
     step_grads = gpu_grads_end if pb.step_grads is None else pb.step_grads
 
     # ---- activations ----
-    act = activation_memory(spec, training)
+    act = activation_memory(spec, training, flavour=flavour)  # paper: Korthikanti; else the transformers trace
     # the activations' own forward and backward peaks (core/activations.py: with a transformers
     # trace, the logits, their gradient and a recomputed layer are only stacked where they coexist)
     fwd = _phase(gpu_params, grads_fwd, gpu_opt, pb.forward, act.forward_peak)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from zeroplan.core.activations import layer_activation_bytes
+from zeroplan.core.activations import activation_memory, layer_activation_bytes
 from zeroplan.core.plan import evaluate
 from zeroplan.specs.deepspeed_config import ZeroConfig
 from zeroplan.specs.model import load_model
@@ -67,8 +67,7 @@ def test_korthikanti_per_layer(s, b, h, a):
 def test_full_checkpointing_keeps_layer_inputs():
     spec = _gpt_like(layers=24)
     tr = TrainingSetup(precision=get_precision("bf16"), checkpointing="full", seq_len=1024, micro_batch=2)
-    p = evaluate(model=spec, training=tr, zero=ZeroConfig(stage=2), n_gpus=8)
-    act = p.memory.activations_detail
+    act = activation_memory(spec, tr, flavour="paper")  # Korthikanti (the transformers trace: test_activations_traced)
     assert act.per_layer == 2 * 1024 * 2 * 1024  # 2·s·b·h
     assert act.layers == 24 * act.per_layer
     assert act.logits == (2 + 4) * 1024 * 2 * spec.vocab_size

@@ -186,14 +186,13 @@ class _Sweep:
         self._trainings: dict[tuple, Any] = {}
         self._zeros: dict[tuple, Any] = {}
         self.families: dict[int, _Family] = {}
-        s, V = inp.training.seq_len, self.spec.vocab_size
         # activations for ONE sample (exactly linear in the micro-batch), per checkpointing policy
         self.act_fwd: dict[str, int] = {}
         self.act_bwd: dict[str, int] = {}
         for c in CKPT_ORDER:
             a = activation_memory(self.spec, self.training(1, c))
-            self.act_fwd[c] = a.total
-            self.act_bwd[c] = a.total + 4 * s * 1 * V + a.recompute  # + fp32 logits gradient (core/memory.py)
+            self.act_fwd[c] = a.forward_peak  # as core/memory.py charges them
+            self.act_bwd[c] = a.backward_peak
 
     def training(self, mb: int, ckpt: str) -> Any:
         key = (mb, ckpt)

@@ -248,11 +248,11 @@ def memory_for_stage(
     step_grads = gpu_grads_end if pb.step_grads is None else pb.step_grads
 
     # ---- activations ----
-    act = activation_memory(spec, training)
-    logits_grad = 4 * training.seq_len * training.micro_batch * spec.vocab_size
-
-    fwd = _phase(gpu_params, grads_fwd, gpu_opt, pb.forward, act.total)
-    bwd_start = _phase(gpu_params, grads_fwd, gpu_opt, pb.backward, act.total + logits_grad + act.recompute)
+    act = activation_memory(spec, training, flavour=flavour)  # paper: Korthikanti; else the transformers trace
+    # the activations' own forward and backward peaks (core/activations.py: with a transformers
+    # trace, the logits, their gradient and a recomputed layer are only stacked where they coexist)
+    fwd = _phase(gpu_params, grads_fwd, gpu_opt, pb.forward, act.forward_peak)
+    bwd_start = _phase(gpu_params, grads_fwd, gpu_opt, pb.backward, act.backward_peak)
     bwd_end = _phase(gpu_params, gpu_grads_end, gpu_opt, pb.backward, 0)
     bwd = bwd_start if bwd_start.peak >= bwd_end.peak else bwd_end
     stp = _phase(gpu_params, step_grads, gpu_opt, pb.step, 0)

@@ -159,15 +159,16 @@ def expected_schedule(spec, n, stage, b, g, *, flavour="deepspeed", rbs=RBS, thr
     return e
 
 
-def expected_states(spec, n, stage, b, thr=THR, rank=0):
-    """(params, gradients, optimizer_states) bytes of ``rank``: 4/4/12 (fp32) or 2/2/12 accounting.
+def expected_states(spec, n, stage, b, thr=THR, rank=0, flavour="paper"):
+    """(params, gradients, optimizer_states) bytes of ``rank``: 4/4/12 (fp32) or 2/2/12 accounting;
+    DeepSpeed's fp32 stage 0 has no fp32 master (Adam's m, v only: 8 bytes per parameter).
 
     Stage 2's gradient partition buffer holds the WHOLE params overlapping the rank's slice of
     the flat buffer (DeepSpeed's copy_grads_in_partition, measured), so it differs by rank."""
     numels = _tensors(spec)
     psi = sum(numels)
     if stage == 0:
-        return psi * b, psi * b, 12 * psi
+        return psi * b, psi * b, (8 if b == 4 and flavour == "deepspeed" else 12) * psi
     if stage in (1, 2):
         flat = math.ceil(psi / (2 * n)) * 2 * n
         part = flat // n
@@ -246,7 +247,7 @@ def _check(spec, n, run, per_rank, k, *, against_plan=True, **sched_kw):
     if z.offload_optimizer.device == "none":
         for rank, r in enumerate(res):
             ms = r["model_states"]
-            p, g, o = expected_states(spec, n, stage, b, rank=rank)
+            p, g, o = expected_states(spec, n, stage, b, rank=rank, flavour=run["comm_model"])
             assert (ms["params"], ms["gradients"], ms["optimizer_states"]) == (p, g, o), rank
     # the planner reports the largest rank
     for cat in ("params", "gradients", "optimizer_states"):

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from zeroplan._util import InputError
+from zeroplan.core.finetune_inputs import FINETUNE_KEYS
 from zeroplan.core.inputs import PlanInputs, annotate_ds_config, build_plan_inputs, refuse_ds_errors
 from zeroplan.core.plan import ClusterSummary, EstimateResult, evaluate, model_summary, training_summary
 from zeroplan.options import (
@@ -222,8 +223,10 @@ def build_report(options: ReportOptions | None = None, /, *,
         searched = set(RecommendOptions.model_fields) - {"stage", "checkpointing"}
         rec = recommendation_summary(_recommend(RecommendOptions(**opts.model_dump(include=searched)), inp))
     # the options as given (the CLI's flags that were set, and --strict); API-only fields only when set
+    # (fine-tuning switches, like API-only fields, only when they differ from their default)
     inputs = {k: v for k, v in plan_kwargs(opts).items()
-              if v is not None and not (k in _API_ONLY and v == ReportOptions.model_fields[k].default)}
+              if v is not None and not ((k in _API_ONLY or k in FINETUNE_KEYS)
+                                        and v == ReportOptions.model_fields[k].default)}
     return build_report_data(result, inp, max_nodes=opts.max_nodes, comm_model=opts.comm_model, mfu=opts.mfu,
                              inputs=inputs, recommendation=rec, on_step=on_step)
 

@@ -341,8 +341,12 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
                     grad_accum=1, n=1)
     planN = predict(spec, _zero_config(2, None), precision=precision, micro_batch=micro_batch, seq_len=seq_len,
                     grad_accum=1, n=gpus)
-    opt_temp = plan1.memory.buffers_detail.get("optimizer_temp")
-    per_el = None if opt_temp is None else opt_temp / max(1, spec.params)
+    # the planner's foreach AdamW temporaries per element (core/memory_states.optimizer_temp_bytes)
+    from zeroplan.core.memory_states import optimizer_temp_bytes
+    from zeroplan.specs.training import TrainingSetup
+
+    group = 1 << 22
+    per_el = optimizer_temp_bytes(TrainingSetup(optimizer_impl="torch-foreach"), group, group) / group
 
     def gpu_count() -> int:
         import torch

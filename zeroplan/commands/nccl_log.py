@@ -18,6 +18,7 @@ from typing_extensions import Annotated
 
 from zeroplan._util import InputError, fmt_bytes
 from zeroplan.commands._common import (
+    Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, 
     DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
     Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer, OffloadParam, OptionalModel, Optimizer,
     OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
@@ -147,6 +148,20 @@ def register(app: typer.Typer) -> None:
         nranks: Annotated[Optional[int], typer.Option(
             "--nranks", metavar="N", show_default="the plan's GPUs",
             help="Compare only collectives on communicators of this size.")] = None,
+        method: Method = None,
+        lora_r: LoraR = None,
+        lora_alpha: LoraAlpha = None,
+        lora_targets: LoraTargets = None,
+        dora: Dora = False,
+        modules_to_save: ModulesToSave = None,
+        trainable: Trainable = None,
+        quant_bits: QuantBits = None,
+        double_quant: DoubleQuant = True,
+        quant_storage: QuantStorage = None,
+        accelerate_config: AccelerateConfig = None,
+        hf_args: HfArgs = None,
+        axolotl: Axolotl = None,
+        llama_factory: LlamaFactory = None,
         json_out: Json = False,
     ) -> None:
         """Summarise an NCCL debug log: version, ranks, rings/trees, transports, collectives, warnings.

@@ -280,7 +280,15 @@ class ZeroEngine:
                 p.data = self.flat_param[off:off + n].view(shape)
                 self.offsets.append(off)
                 off += n
-        self.master, self.m, self.v = self._opt_state(self.flat_param)
+        if self.ds and not self.mixed and not self.offload:
+            # DeepSpeed 0.19.8 without ZeRO in fp32 wraps no optimizer (engine.py
+            # _configure_optimizer: no FP16_Optimizer): Adam steps the fp32 parameters themselves
+            with self._host():
+                self.master = self.flat_param
+                self.m = self._tag(self.torch.zeros_like(self.flat_param), "optimizer_states")
+                self.v = self._tag(self.torch.zeros_like(self.flat_param), "optimizer_states")
+        else:
+            self.master, self.m, self.v = self._opt_state(self.flat_param)
         self.part_lo, self.part_n = 0, self.psi
         self.flat_grad = None
         if self.ds:  # DeepSpeed's allreduce_no_retain: constant 5e8 elements, forward order, flush after adding
@@ -937,7 +945,8 @@ class ZeroEngine:
                 self._norm_sq = torch.dot(g32.reshape(-1), g32.reshape(-1)).to(torch.float64)
                 self._adamw(self.master, self.m, self.v, g32)
                 del g32
-                self.flat_param.copy_(self.master)
+                if self.master is not self.flat_param:
+                    self.flat_param.copy_(self.master)
                 self._free_flat_grads()
                 if self.ds and not self.mixed:  # DeepSpeed 0.19.8: fp32 stage 0 all-reduces the norm
                     norm = self._norm_sq.reshape(1).to(device=self.device, dtype=torch.float32)

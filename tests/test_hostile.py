@@ -246,7 +246,9 @@ def test_tiny_count_gives_no_negative_bytes_or_is_rejected():
             negatives.append(p)
 
     walk(json.loads(r.stdout))
-    assert negatives == []
+    # deepspeed_estimator.vs_peak is a signed difference (zeroplan's peak − DeepSpeed's estimate,
+    # split into parts; core/ds_estimator.EstimatorDifference): its parts may be negative by design
+    assert [p for p in negatives if ".vs_peak." not in p] == []
 
 
 def test_model_config_absurd_layer_count_is_rejected_quickly(tmp_path):
@@ -477,9 +479,11 @@ NONSTRICT_ERRORS = [
 
 @pytest.mark.parametrize("name,cfg,rule,key", NONSTRICT_ERRORS, ids=[c[0] for c in NONSTRICT_ERRORS])
 def test_deepspeed_config_errors_are_shown_without_strict(name, cfg, rule, key, tmp_path):
+    # DeepSpeed refuses these configs: planning them needs --lenient (issue 11 §2.4); else exit 2
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
-    r = invoke(["estimate", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", str(path)])
+    assert invoke(["estimate", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", str(path)]).exit_code == 2
+    r = invoke(["estimate", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", str(path), "--lenient"])
     assert r.exit_code == 0, r.output
     assert rule in r.output and key in r.output
 
@@ -488,7 +492,7 @@ def test_deepspeed_config_errors_are_shown_without_strict(name, cfg, rule, key, 
 def test_deepspeed_config_errors_are_in_the_json_without_strict(name, cfg, rule, key, tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
-    r = invoke(["estimate", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", str(path), "--json"])
+    r = invoke(["estimate", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", str(path), "--json", "--lenient"])
     assert r.exit_code == 0, r.output
     assert rule in r.stdout and key in r.stdout
 

@@ -128,7 +128,8 @@ def test_svg_parts_parse_as_xml_with_sizes_titles_axes_and_legends(report):
 
 
 def test_memory_bars_are_proportional_to_bytes(report):
-    """Within a bar, segment widths are in the ratio of the bytes in the table."""
+    """Within a bar, segment widths are in the ratio of the bytes in the table (segments cut at the
+    axis end, marked data-clipped, are drawn only up to it)."""
     root = ET.fromstring(re.search(r"<svg\b.*?</svg>", report.html, re.S).group(0))
     c = _parse(report.html)
     by_stage: dict[str, dict[str, int]] = {}
@@ -142,7 +143,7 @@ def test_memory_bars_are_proportional_to_bytes(report):
         tip = r.find("title").text
         stage = re.match(r"ZeRO-(\d)", tip).group(1)
         v = by_stage[stage][r.get("data-category")]
-        if v > 1e9:  # well above the 0.1 px rounding of the coordinates
+        if v > 1e9 and r.get("data-clipped") is None:  # well above the 0.1 px rounding of the coordinates
             px_per_byte.append(float(r.get("width")) / v)
     assert px_per_byte and max(px_per_byte) / min(px_per_byte) < 1.02
 
@@ -400,3 +401,29 @@ def test_progress_callback_counts_each_distinct_evaluation():
     # GPUs 1, 2, 4, 8, 16, 32 (memory sweep) ∪ 8, 16, 32 whole nodes (time sweep) → 6 distinct × 4 stages
     assert len(steps) == 24
     assert data["time_sweep"]["gpus"] == [8, 16, 32]
+
+
+def test_memory_chart_labels_clear_of_the_capacity_line_and_axis_cut(report):
+    """Value labels sit right of the plot (no line crosses them); the axis stops at 1.5 × the GPU
+    memory rounded up to a tick, and bars past it carry a break mark; every option that does not fit
+    has an OOM marker."""
+    from zeroplan.report.html import _linear_ticks
+
+    root = ET.fromstring(re.search(r"<svg\b.*?</svg>", report.html, re.S).group(0))
+    data = json.loads(run("report", *BASE, "--max-nodes", "4", "--json").stdout)
+    cap = data["cluster"]["gpu_memory_bytes"]
+    lines = [ln for ln in root.iter("line") if ln.get("stroke") == "#d00000"]
+    (cap_line,) = lines
+    axis = [ln for ln in root.iter("line") if ln.get("stroke") == "#444"]
+    plot_right = max(float(ln.get("x2")) for ln in axis)
+    assert float(cap_line.get("x1")) < plot_right
+    values = [t for t in root.iter("text") if re.match(r"[\d,.]+ GB, [\d,.]+ GB (over|free)", t.text or "")]
+    assert len(values) == len(data["plans"])
+    assert all(float(t.get("x")) > plot_right for t in values)
+    ticks = [float(t.text.replace(",", "")) for t in root.iter("text") if re.fullmatch(r"[\d,]+", t.text or "")]
+    assert max(ticks) == _linear_ticks(1.5 * cap / 1e9)[-1] or max(ticks) * 1e9 >= max(
+        p["memory"]["peak"] for p in data["plans"])
+    cut = [p for p in data["plans"] if p["memory"]["peak"] > max(ticks) * 1e9]
+    assert len([x for x in root.iter("path") if x.get("class") == "break"]) == 2 * len(cut)
+    oom = {int(g.get("data-stage")) for g in root.iter("g") if g.get("class") == "oom"}
+    assert oom == {p["stage"] for p in data["plans"] if p["fits"] is False or p["host_fits"] is False}

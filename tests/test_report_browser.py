@@ -7,7 +7,9 @@ Each browser run is bounded (60 s) and its whole process group is killed afterwa
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -108,12 +110,52 @@ def html_file(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def offload_html_file(tmp_path_factory) -> Path:
+    """Optimizer offload to CPU on 100 GbE: stages 0-2 do not fit, ZeRO-3 does; host RAM matters."""
+    out = tmp_path_factory.mktemp("browser-offload") / "report.html"
+    r = CliRunner().invoke(app, ["report", "--model", "llama-2-70b", "--hardware", "h100-8x-100gbe", "--nodes", "4",
+                                 "--precision", "bf16", "--checkpointing", "full", "--offload-optimizer", "cpu",
+                                 "--max-nodes", "4", "--html", str(out)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_dom_has_recommendation_host_ram_and_oom_markers(offload_html_file, tmp_path):
+    r = _browser(tmp_path / "profile", "--dump-dom", offload_html_file.as_uri())
+    assert r.returncode == 0, r.stderr[-2000:]
+    dom = r.stdout
+    data = json.loads(CliRunner().invoke(app, [
+        "report", "--model", "llama-2-70b", "--hardware", "h100-8x-100gbe", "--nodes", "4", "--precision", "bf16",
+        "--checkpointing", "full", "--offload-optimizer", "cpu", "--max-nodes", "4", "--json"]).stdout)
+    # the recommendation: the chosen configuration and its reasons, as recommend gives them
+    chosen = data["recommendation"]["chosen"]
+    assert 'id="recommendation"' in dom and 'id="table-recommendation"' in dom
+    assert f"Recommended: <b>{chosen['label']}</b>" in dom
+    reasons = dom.split('id="recommendation-reasons"')[1].split("</ul>")[0]
+    assert reasons.count("<li>") == len(data["recommendation"]["explanation"]) - 1  # the first restates the choice
+    # host RAM per node under offload: in the chart (per option) and the table (exact bytes)
+    for p in data["plans"]:
+        if p["offload_optimizer"] != "none":
+            gb = f"{p['host_memory_per_node'] / 1e9:,.0f} GB"
+            assert f"host RAM {gb} of" in dom, gb
+            assert f'data-key="host_memory_per_node" data-stage="{p["stage"]}" data-value="{p["host_memory_per_node"]}"' in dom
+    # an OOM marker on every option that does not fit, none on the others
+    oom = {int(m) for m in re.findall(r'class="oom" data-stage="(\d)"', dom)}
+    assert oom == {p["stage"] for p in data["plans"] if p["fits"] is False or p["host_fits"] is False}
+    assert oom and oom != {p["stage"] for p in data["plans"]}
+    # no literal markdown, the terminal's arrows
+    assert "`" not in dom and "->" not in dom.replace("<!--", "").replace("-->", "")
+    assert "opt→cpu" in dom
+
+
 def test_dom_has_the_charts_and_no_errors(html_file, tmp_path):
     r = _browser(tmp_path / "profile", "--enable-logging=stderr", "--v=0", "--dump-dom", html_file.as_uri())
     assert r.returncode == 0, r.stderr[-2000:]
     dom = r.stdout
     for ident in ("chart-memory", "chart-time", "chart-memory-sweep", "chart-time-sweep", "chart-comm-share",
-                  "table-memory", "table-time", "table-memory-sweep", "table-time-sweep", "table-inputs"):
+                  "table-memory", "table-time", "table-memory-sweep", "table-time-sweep", "table-inputs",
+                  "recommendation", "table-recommendation"):
         assert f'id="{ident}"' in dom, ident
     assert dom.count("<svg") == 5 and "<parsererror" not in dom
     log = r.stderr

@@ -4,5 +4,5 @@ The planning API is torch-free; ``zeroplan.runtime`` and ``zeroplan.bench`` need
 ``bench`` extra (torch).
 """
 
-__version__ = "0.1.0"
+from zeroplan._version import __version__
 __all__ = ["__version__"]

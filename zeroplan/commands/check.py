@@ -5,19 +5,12 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 import typer
+from typing_extensions import Annotated
 
-from zeroplan.commands._common import console, handle_errors
-from zeroplan.commands.estimate import (
-    COMM_OPT,
-    FLASH_OPT,
-    GAS_OPT,
-    GPN_OPT,
-    GPUS_OPT,
-    HARDWARE_OPT,
-    MFU_OPT,
-    MODEL_OPT,
-    NODES_OPT,
-    SEQ_OPT,
+from zeroplan.commands._common import (
+    DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, Checkpointing, CommModel, FlashAttention, GpusPerNode,
+    GradAccum, Gpus, Hardware, Headroom, MicroBatch, Mfu, Model, Nodes, Optimizer, Precision, SeqLen, console,
+    handle_errors,
 )
 
 __all__ = ["register", "render_check_text", "FORMATS"]
@@ -58,29 +51,43 @@ def register(app: typer.Typer) -> None:
     @app.command("check")
     @handle_errors
     def check_cmd(
-        configs: List[str] = typer.Argument(..., help="DeepSpeed config files or globs (quote globs: 'configs/**/*.json')."),
-        model: str = MODEL_OPT,
-        hardware: Optional[str] = HARDWARE_OPT,
-        gpus: Optional[int] = GPUS_OPT,
-        nodes: Optional[int] = NODES_OPT,
-        gpus_per_node: Optional[int] = GPN_OPT,
-        micro_batch: Optional[int] = typer.Option(None, "--micro-batch", "-b", help="Micro-batch per GPU when the config leaves it \"auto\" or unset (overrides the config)."),
-        seq_len: int = SEQ_OPT,
-        grad_accum: Optional[int] = GAS_OPT,
-        checkpointing: str = typer.Option("none", "--checkpointing", help="Activation checkpointing the training script uses: none, selective or full (not a DeepSpeed key)."),
-        flash_attention: bool = FLASH_OPT,
-        fail_on: str = typer.Option("error", "--fail-on", help="Fail (exit 1) on findings at or above this severity: error or warning."),
-        fmt: str = typer.Option("text", "--format", "-f", help="text, json, junit (JUnit XML) or github (workflow annotations)."),
-        max_comm_share: float = typer.Option(0.5, "--max-comm-share", help="ZP201: warn when exposed communication exceeds this share of the step."),
-        min_headroom: float = typer.Option(0.10, "--min-headroom", help="ZP103: warn when free GPU memory is under this fraction."),
-        comm_model: str = COMM_OPT,
-        mfu: Optional[float] = MFU_OPT,
-        output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the report to this file (atomically); stdout gets a one-line verdict."),
+        configs: Annotated[List[str], typer.Argument(
+            metavar="CONFIG...", help="DeepSpeed config files or globs (quote globs: 'configs/**/*.json').")],
+        model: Model,
+        hardware: Hardware = None,
+        gpus: Gpus = None,
+        nodes: Nodes = None,
+        gpus_per_node: GpusPerNode = None,
+        precision: Precision = None,
+        optimizer: Optimizer = None,
+        micro_batch: MicroBatch = None,
+        seq_len: SeqLen = None,
+        grad_accum: GradAccum = None,
+        checkpointing: Checkpointing = None,
+        flash_attention: FlashAttention = None,
+        fail_on: Annotated[str, typer.Option(
+            "--fail-on", metavar="error|warning",
+            help="Fail (exit 1) on findings at or above this severity.")] = "error",
+        fmt: Annotated[str, typer.Option(
+            "--format", "-f", metavar="text|json|junit|github",
+            help="Report format: text, json, junit (JUnit XML) or github (workflow annotations).")] = "text",
+        max_comm_share: Annotated[float, typer.Option(
+            "--max-comm-share", metavar="FRACTION",
+            help="ZP201: warn when exposed communication exceeds this share of the step.")] = 0.5,
+        headroom: Headroom = DEFAULT_HEADROOM,
+        min_headroom: Annotated[Optional[float], typer.Option(
+            "--min-headroom", hidden=True, help="Old name of --headroom.")] = None,
+        comm_model: CommModel = DEFAULT_COMM_MODEL,
+        mfu: Mfu = DEFAULT_MFU,
+        output: Annotated[Optional[str], typer.Option(
+            "--output", "-o", metavar="PATH", show_default="stdout",
+            help="Write the report to this file (atomically); stdout gets a one-line verdict.")] = None,
     ) -> None:
         """Gate DeepSpeed configs in CI: OOM, host RAM, NVMe, communication and stage/offload rules.
 
         Exit 0 when no finding reaches --fail-on, 1 when one does, 2 on bad input (unknown model or
-        profile, a glob matching nothing). Example:
+        profile, a glob matching nothing). Sequence length, checkpointing and flash attention come from
+        the options, else from the config's zeroplan block (`recommend --emit-config` writes it). Example:
         zeroplan check 'configs/*.json' -m llama-2-70b -H h100-8x-ib400 --nodes 4 --format github
         """
         from zeroplan._util import InputError, atomic_write_text
@@ -93,9 +100,10 @@ def register(app: typer.Typer) -> None:
             raise InputError(f"--fail-on {fail_on!r} is unknown; expected error or warning")
         report = run_check(
             configs, fail_on=fail_on, model=model, hardware=hardware, gpus=gpus, nodes=nodes,
-            gpus_per_node=gpus_per_node, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
-            checkpointing=checkpointing, flash_attention=flash_attention, comm_model=comm_model, mfu=mfu,
-            max_comm_share=max_comm_share, min_headroom=min_headroom,
+            gpus_per_node=gpus_per_node, precision=precision, optimizer=optimizer, micro_batch=micro_batch,
+            seq_len=seq_len, grad_accum=grad_accum, checkpointing=checkpointing, flash_attention=flash_attention,
+            comm_model=comm_model, mfu=mfu, max_comm_share=max_comm_share,
+            min_headroom=headroom if min_headroom is None else min_headroom,
         )
         if fmt == "text":
             if output is not None:

@@ -2,50 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
-from zeroplan.commands._common import console, handle_errors, print_json
+from zeroplan.commands._common import (
+    DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
+    Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Model, Nodes, OffloadOptimizer, OffloadParam, Optimizer,
+    Precision, SeqLen, Stage, Strict, console, handle_errors, parse_stages, print_json,
+)
 
 __all__ = ["register", "run_estimate"]
 
-# Shared option declarations (also used by recommend / check / report).
-MODEL_OPT = typer.Option(..., "--model", "-m", help="Catalog name (see `zeroplan models list`), path to a Hugging Face config.json, or a count such as 7B, 70e9, 1.3T.")
-HARDWARE_OPT = typer.Option(None, "--hardware", "-H", help="Hardware profile name (see `zeroplan profiles list`) or path to a profile TOML.")
-GPUS_OPT = typer.Option(None, "--gpus", "-g", help="Total data-parallel GPUs.")
-NODES_OPT = typer.Option(None, "--nodes", "-n", help="Nodes (× --gpus-per-node, default from the profile).")
-GPN_OPT = typer.Option(None, "--gpus-per-node", help="GPUs per node (default: the hardware profile's).")
-DS_OPT = typer.Option(None, "--ds-config", "-c", help="DeepSpeed JSON config; its zero_optimization.stage selects the stage.")
-PREC_OPT = typer.Option(None, "--precision", "-p", help="fp32 (4/4/12 bytes per param), bf16 or fp16 (2/2/12). Default: from --ds-config, else fp32.")
-OPT_OPT = typer.Option(None, "--optimizer", help="adamw, adam, sgd-momentum, sgd, adam8bit (default: from --ds-config, else adamw).")
-MB_OPT = typer.Option(None, "--micro-batch", "-b", help="Micro-batch size per GPU (default: from --ds-config, else 1).")
-SEQ_OPT = typer.Option(2048, "--seq-len", "-s", help="Sequence length in tokens.")
-GAS_OPT = typer.Option(None, "--grad-accum", help="Gradient accumulation steps (default: from --ds-config, else 1).")
-CKPT_OPT = typer.Option("none", "--checkpointing", help="Activation checkpointing: none, selective or full.")
-FLASH_OPT = typer.Option(True, "--flash-attention/--no-flash-attention", help="Flash attention (no s² attention-score activations).")
-OFFOPT_OPT = typer.Option(None, "--offload-optimizer", help="Offload optimizer states: none, cpu or nvme (stages 1–3).")
-OFFPAR_OPT = typer.Option(None, "--offload-param", help="Offload parameters: none, cpu or nvme (stage 3).")
-STAGE_OPT = typer.Option(None, "--stage", help="Evaluate one ZeRO stage (0–3). Default: all four, or the --ds-config's stage.")
-COMM_OPT = typer.Option("deepspeed", "--comm-model", help="deepspeed: what DeepSpeed actually issues; paper: the ZeRO paper's 2Ψ/2Ψ/3Ψ.")
-MFU_OPT = typer.Option(None, "--mfu", help="Override the compute model with a fixed model FLOPs utilisation (0–1). Default: the compute model (FLOPs from the architecture at a rate by GPU generation and shape).")
-JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
-STRICT_OPT = typer.Option(False, "--strict", help="Treat DeepSpeed config problems (unknown keys, wrong types) as errors (exit 2).")
+def run_estimate(*, lenient: bool = False, **kw):
+    """Library entry: returns (EstimateResult, PlanInputs).
 
-
-def run_estimate(**kw):
-    """Library entry: returns an EstimateResult."""
+    A ``ds_config`` DeepSpeed would refuse raises InputError (file:line, key, value, expected)
+    unless ``lenient``; then its errors stay findings and the defaults are planned.
+    """
     from zeroplan._util import InputError
-    from zeroplan.core.inputs import build_plan_inputs
+    from zeroplan.core.inputs import build_plan_inputs, refuse_ds_errors
     from zeroplan.core.plan import ClusterSummary, EstimateResult, evaluate, model_summary, training_summary
 
-    comm_model = kw.pop("comm_model", "deepspeed")
-    mfu = kw.pop("mfu", None)
+    comm_model = kw.pop("comm_model", DEFAULT_COMM_MODEL)
+    mfu = kw.pop("mfu", DEFAULT_MFU)
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
     if mfu is not None and not (0 < mfu <= 1):
         raise InputError(f"--mfu {mfu} must be in (0, 1]")
     inp = build_plan_inputs(**kw)
+    if not lenient:
+        refuse_ds_errors(inp.ds)
     plans = [
         evaluate(model=inp.spec, training=inp.training, zero=inp.zero(s), n_gpus=inp.n_gpus,
                  gpus_per_node=inp.gpus_per_node, hardware=inp.hardware, comm_model=comm_model, mfu=mfu)
@@ -72,26 +57,27 @@ def register(app: typer.Typer) -> None:
     @app.command("estimate")
     @handle_errors
     def estimate(
-        model: str = MODEL_OPT,
-        hardware: Optional[str] = HARDWARE_OPT,
-        gpus: Optional[int] = GPUS_OPT,
-        nodes: Optional[int] = NODES_OPT,
-        gpus_per_node: Optional[int] = GPN_OPT,
-        ds_config: Optional[str] = DS_OPT,
-        precision: Optional[str] = PREC_OPT,
-        optimizer: Optional[str] = OPT_OPT,
-        micro_batch: Optional[int] = MB_OPT,
-        seq_len: int = SEQ_OPT,
-        grad_accum: Optional[int] = GAS_OPT,
-        checkpointing: str = CKPT_OPT,
-        flash_attention: bool = FLASH_OPT,
-        offload_optimizer: Optional[str] = OFFOPT_OPT,
-        offload_param: Optional[str] = OFFPAR_OPT,
-        stage: Optional[int] = STAGE_OPT,
-        comm_model: str = COMM_OPT,
-        mfu: Optional[float] = MFU_OPT,
-        strict: bool = STRICT_OPT,
-        json_out: bool = JSON_OPT,
+        model: Model,
+        hardware: Hardware = None,
+        gpus: Gpus = None,
+        nodes: Nodes = None,
+        gpus_per_node: GpusPerNode = None,
+        ds_config: DsConfig = None,
+        precision: Precision = None,
+        optimizer: Optimizer = None,
+        micro_batch: MicroBatch = None,
+        seq_len: SeqLen = None,
+        grad_accum: GradAccum = None,
+        checkpointing: Checkpointing = None,
+        flash_attention: FlashAttention = None,
+        offload_optimizer: OffloadOptimizer = None,
+        offload_param: OffloadParam = None,
+        stage: Stage = None,
+        comm_model: CommModel = DEFAULT_COMM_MODEL,
+        mfu: Mfu = DEFAULT_MFU,
+        strict: Strict = False,
+        lenient: Lenient = False,
+        json_out: Json = False,
     ) -> None:
         """Per-GPU memory (by category and phase), host RAM, collectives and step time for ZeRO stages 0–3.
 
@@ -102,7 +88,7 @@ def register(app: typer.Typer) -> None:
             ds_config=ds_config, strict=strict, precision=precision, optimizer=optimizer,
             micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, checkpointing=checkpointing,
             flash_attention=flash_attention, offload_optimizer=offload_optimizer, offload_param=offload_param,
-            stage=stage, comm_model=comm_model, mfu=mfu,
+            stage=parse_stages(stage), comm_model=comm_model, mfu=mfu, lenient=lenient,
         )
         if json_out:
             print_json(result)

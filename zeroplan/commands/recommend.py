@@ -3,44 +3,43 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import typer
+from typing_extensions import Annotated
 
-from zeroplan.commands._common import console, handle_errors, print_json
-from zeroplan.commands.estimate import (
-    COMM_OPT,
-    DS_OPT,
-    FLASH_OPT,
-    GAS_OPT,
-    GPN_OPT,
-    GPUS_OPT,
-    HARDWARE_OPT,
-    JSON_OPT,
-    MFU_OPT,
-    MODEL_OPT,
-    NODES_OPT,
-    OPT_OPT,
-    PREC_OPT,
-    SEQ_OPT,
-    STRICT_OPT,
+from zeroplan.commands._common import (
+    DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention,
+    GpusPerNode, GradAccum, Gpus, Hardware, Headroom, Json, Lenient, MicroBatch, Mfu, Model, Nodes, Optimizer,
+    Precision, SeqLen, Stage, Strict, console, handle_errors, parse_stages, print_json,
 )
 
 __all__ = ["register", "run_recommend", "render_recommendation"]
 
 
-def run_recommend(*, headroom: float = 0.10, comm_model: str = "deepspeed", mfu: float | None = None,
-                  max_micro_batch: Optional[int] = None, checkpointing: Optional[str] = None,
+def run_recommend(*, headroom: float = DEFAULT_HEADROOM, comm_model: str = DEFAULT_COMM_MODEL,
+                  mfu: float | None = DEFAULT_MFU, max_micro_batch: Optional[int] = None, checkpointing: Optional[str] = None,
                   stages: Optional[list[int]] = None, allow_nvme: bool = True, top: int = 8,
-                  progress: Any = None, **kw: Any):
-    """Library entry: build the inputs from CLI-style keywords and return (Recommendation, PlanInputs)."""
+                  progress: Any = None, lenient: bool = False, **kw: Any):
+    """Library entry: build the inputs from CLI-style keywords and return (Recommendation, PlanInputs).
+
+    The chosen DeepSpeed config (``rec.ds_config``) carries a ``zeroplan`` block with the sequence
+    length, checkpointing and flash attention it was planned for, so ``check`` reads them back.
+    """
     from zeroplan.advice.recommend import recommend
-    from zeroplan.core.inputs import build_plan_inputs
+    from zeroplan.core.inputs import annotate_ds_config, build_plan_inputs, refuse_ds_errors
 
     inp = build_plan_inputs(**kw)
+    if not lenient:
+        refuse_ds_errors(inp.ds)
     rec = recommend(inp, headroom=headroom, comm_model=comm_model, mfu=mfu, max_micro_batch=max_micro_batch,
                     micro_batch=kw.get("micro_batch"), checkpointing=checkpointing, stages=stages,
                     allow_nvme=allow_nvme, top=top, progress=progress)
+    if rec.ds_config is not None and rec.chosen is not None:
+        rec.ds_config = annotate_ds_config(
+            rec.ds_config, seq_len=inp.training.seq_len, checkpointing=rec.chosen.checkpointing,
+            flash_attention=inp.training.flash_attention, model=inp.spec.name,
+            hardware=inp.hardware.name if inp.hardware is not None else None, n_gpus=inp.n_gpus)
     return rec, inp
 
 
@@ -104,7 +103,7 @@ def render_recommendation(con: Any, rec: Any) -> None:
     if rec.chosen is not None and rec.chosen.checkpointing != "none":
         con.print(f"  Enable {rec.chosen.checkpointing} activation checkpointing in the model (e.g. "
                   "model.gradient_checkpointing_enable()); it is not a DeepSpeed config key. "
-                  f"Pass --checkpointing {rec.chosen.checkpointing} to `zeroplan check`.", markup=False, highlight=False)
+                  "The emitted config records it (zeroplan.checkpointing) for `zeroplan check`.", markup=False, highlight=False)
     if rec.chosen is not None and "nvme" in (rec.chosen.offload_optimizer, rec.chosen.offload_param):
         con.print("  Set nvme_path in the emitted config to your NVMe mount (a placeholder is written).", markup=False)
     if rec.assumptions:
@@ -118,29 +117,35 @@ def register(app: typer.Typer) -> None:
     @app.command("recommend")
     @handle_errors
     def recommend_cmd(
-        model: str = MODEL_OPT,
-        hardware: Optional[str] = HARDWARE_OPT,
-        gpus: Optional[int] = GPUS_OPT,
-        nodes: Optional[int] = NODES_OPT,
-        gpus_per_node: Optional[int] = GPN_OPT,
-        ds_config: Optional[str] = DS_OPT,
-        precision: Optional[str] = PREC_OPT,
-        optimizer: Optional[str] = OPT_OPT,
-        micro_batch: Optional[int] = typer.Option(None, "--micro-batch", "-b", help="Fix the micro-batch per GPU (default: search 1, 2, 4, … up to the largest that fits)."),
-        max_micro_batch: Optional[int] = typer.Option(None, "--max-micro-batch", help="Largest micro-batch to search (default 1024)."),
-        seq_len: int = SEQ_OPT,
-        grad_accum: Optional[int] = GAS_OPT,
-        checkpointing: Optional[str] = typer.Option(None, "--checkpointing", help="Fix activation checkpointing: none, selective or full (default: search all three)."),
-        flash_attention: bool = FLASH_OPT,
-        stage: Optional[List[int]] = typer.Option(None, "--stage", help="Only these ZeRO stages (repeatable; default 0–3)."),
-        headroom: float = typer.Option(0.10, "--headroom", help="Fraction of GPU memory and host RAM kept free (0–1)."),
-        nvme: bool = typer.Option(True, "--nvme/--no-nvme", help="Consider NVMe offload."),
-        top: int = typer.Option(8, "--top", help="Alternatives shown."),
-        comm_model: str = COMM_OPT,
-        mfu: Optional[float] = MFU_OPT,
-        strict: bool = STRICT_OPT,
-        emit_config: Optional[str] = typer.Option(None, "--emit-config", help="Write the chosen DeepSpeed config (JSON) to this path (atomically)."),
-        json_out: bool = JSON_OPT,
+        model: Model,
+        hardware: Hardware = None,
+        gpus: Gpus = None,
+        nodes: Nodes = None,
+        gpus_per_node: GpusPerNode = None,
+        ds_config: DsConfig = None,
+        precision: Precision = None,
+        optimizer: Optimizer = None,
+        micro_batch: MicroBatch = None,
+        max_micro_batch: Annotated[Optional[int], typer.Option(
+            "--max-micro-batch", metavar="N", show_default="1024",
+            help="Largest micro-batch to search.")] = None,
+        seq_len: SeqLen = None,
+        grad_accum: GradAccum = None,
+        checkpointing: Checkpointing = None,
+        flash_attention: FlashAttention = None,
+        stage: Stage = None,
+        headroom: Headroom = DEFAULT_HEADROOM,
+        nvme: Annotated[bool, typer.Option("--nvme/--no-nvme", help="Consider NVMe offload.")] = True,
+        top: Annotated[int, typer.Option("--top", metavar="N", help="Alternatives shown.")] = 8,
+        comm_model: CommModel = DEFAULT_COMM_MODEL,
+        mfu: Mfu = DEFAULT_MFU,
+        strict: Strict = False,
+        lenient: Lenient = False,
+        emit_config: Annotated[Optional[str], typer.Option(
+            "--emit-config", metavar="PATH", show_default="none",
+            help="Write the chosen DeepSpeed config (JSON, atomically), with a zeroplan block recording the "
+                 "sequence length and checkpointing it assumes, so `zeroplan check` reads them back.")] = None,
+        json_out: Json = False,
     ) -> None:
         """Which ZeRO stage, offload, micro-batch, checkpointing and buckets to use on this cluster, and why.
 
@@ -172,7 +177,8 @@ def register(app: typer.Typer) -> None:
                 ds_config=ds_config, strict=strict, precision=precision, optimizer=optimizer,
                 micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, flash_attention=flash_attention,
                 headroom=headroom, comm_model=comm_model, mfu=mfu, max_micro_batch=max_micro_batch,
-                checkpointing=checkpointing, stages=stage or None, allow_nvme=nvme, top=top, progress=prog_cb,
+                checkpointing=checkpointing, stages=parse_stages(stage), allow_nvme=nvme, top=top, progress=prog_cb,
+                lenient=lenient,
             )
         finally:
             if progress is not None:

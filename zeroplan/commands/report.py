@@ -18,7 +18,11 @@ The report data (what ``--json`` prints and what the HTML is rendered from) is o
 - ``time_sweep`` (null without a hardware profile): ``gpus_per_node``, ``nodes`` (1, 2, 4, …
   max_nodes), ``gpus``, ``series``: per stage ``stage``, ``label``, ``step_time_s``,
   ``step_time_best_s``, ``step_time_worst_s``, ``compute_time_s``, ``comm_share``,
-  ``tokens_per_s`` (one per entry of ``nodes``).
+  ``tokens_per_s`` (one per entry of ``nodes``);
+- ``recommendation`` (null without a hardware profile): what ``zeroplan recommend`` chooses for
+  the same inputs: ``chosen`` (its Candidate with a ``label``, or null when nothing fits),
+  ``explanation``, ``warnings`` (sentences) and ``explanation_reasons``, ``warning_reasons`` (the
+  same as templates with their quantities and units).
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
+from typing_extensions import Annotated
 
 from zeroplan._util import InputError
-from zeroplan.commands._common import console, handle_errors, print_json
-from zeroplan.commands.estimate import (
-    CKPT_OPT, COMM_OPT, DS_OPT, FLASH_OPT, GAS_OPT, GPN_OPT, GPUS_OPT, HARDWARE_OPT, JSON_OPT, MB_OPT, MFU_OPT,
-    MODEL_OPT, NODES_OPT, OFFOPT_OPT, OFFPAR_OPT, OPT_OPT, PREC_OPT, SEQ_OPT, STAGE_OPT, STRICT_OPT, run_estimate,
+from zeroplan.commands._common import (
+    DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
+    Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Model, Nodes, OffloadOptimizer, OffloadParam, Optimizer,
+    Precision, SeqLen, Stage, Strict, console, handle_errors, parse_stages, print_json,
 )
+from zeroplan.commands.estimate import run_estimate
 
 __all__ = ["register", "build_report_data", "powers_of_two", "SWEEP_STAGES", "MAX_SWEEP_NODES"]
 
@@ -70,6 +76,9 @@ def _plan_summary(p: Any) -> dict[str, Any]:
         "peak_reason": m.peak_reason,
         "fits": p.fits,
         "headroom_bytes": p.headroom_bytes,
+        "host_memory_per_node": int(p.host_memory_per_node),
+        "host_ram_per_node_bytes": p.host_ram_per_node_bytes,
+        "host_fits": p.host_fits,
         "comm_bytes_per_gpu_per_step": int(p.comm.bytes_per_gpu_per_step),
         "time": None if t is None else {
             "compute_s": t.compute_time_s,
@@ -95,8 +104,8 @@ def build_report_data(
     inp: Any,
     *,
     max_nodes: int = 64,
-    comm_model: str = "deepspeed",
-    mfu: float | None = None,
+    comm_model: str = DEFAULT_COMM_MODEL,
+    mfu: float | None = DEFAULT_MFU,
     inputs: dict[str, Any] | None = None,
     on_step: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
@@ -151,6 +160,17 @@ def build_report_data(
             })
         time_sweep = {"gpus_per_node": gpn, "nodes": nodes, "gpus": [n * gpn for n in nodes], "series": t_series}
     notes = list(dict.fromkeys(n for p in result.stages for n in p.notes))
+    recommendation = None
+    if inp.hardware is not None:
+        from zeroplan.advice.recommend import recommend
+
+        rec = recommend(inp, comm_model=comm_model, mfu=mfu, micro_batch=(inputs or {}).get("micro_batch"))
+        recommendation = {
+            "chosen": None if rec.chosen is None else {"label": rec.chosen.label(), **rec.chosen.model_dump(mode="json")},
+            "explanation": list(rec.explanation), "warnings": list(rec.warnings),
+            "explanation_reasons": [r.model_dump(mode="json") for r in rec.explanation_reasons],
+            "warning_reasons": [r.model_dump(mode="json") for r in rec.warning_reasons],
+        }
     return {
         "model": result.model.model_dump(mode="json"),
         "cluster": result.cluster.model_dump(mode="json"),
@@ -164,6 +184,7 @@ def build_report_data(
         "plans": [_plan_summary(p) for p in result.stages],
         "memory_sweep": {"gpus_per_node": gpn, "gpus": gpus, "series": mem_series},
         "time_sweep": time_sweep,
+        "recommendation": recommendation,
     }
 
 
@@ -214,29 +235,35 @@ def register(app: typer.Typer) -> None:
     @app.command("report")
     @handle_errors
     def report(
-        model: str = MODEL_OPT,
-        hardware: Optional[str] = HARDWARE_OPT,
-        gpus: Optional[int] = GPUS_OPT,
-        nodes: Optional[int] = NODES_OPT,
-        gpus_per_node: Optional[int] = GPN_OPT,
-        ds_config: Optional[str] = DS_OPT,
-        precision: Optional[str] = PREC_OPT,
-        optimizer: Optional[str] = OPT_OPT,
-        micro_batch: Optional[int] = MB_OPT,
-        seq_len: int = SEQ_OPT,
-        grad_accum: Optional[int] = GAS_OPT,
-        checkpointing: str = CKPT_OPT,
-        flash_attention: bool = FLASH_OPT,
-        offload_optimizer: Optional[str] = OFFOPT_OPT,
-        offload_param: Optional[str] = OFFPAR_OPT,
-        stage: Optional[int] = STAGE_OPT,
-        comm_model: str = COMM_OPT,
-        mfu: Optional[float] = MFU_OPT,
-        strict: bool = STRICT_OPT,
-        html: Optional[str] = typer.Option(None, "--html", help="Write a self-contained HTML report (inline SVG charts, no network) to this path."),
-        svg: Optional[str] = typer.Option(None, "--svg", help="Write the per-GPU memory chart alone as an SVG file."),
-        max_nodes: int = typer.Option(64, "--max-nodes", help="Sweeps go to this many nodes (1, 2, 4, …)."),
-        json_out: bool = JSON_OPT,
+        model: Model,
+        hardware: Hardware = None,
+        gpus: Gpus = None,
+        nodes: Nodes = None,
+        gpus_per_node: GpusPerNode = None,
+        ds_config: DsConfig = None,
+        precision: Precision = None,
+        optimizer: Optimizer = None,
+        micro_batch: MicroBatch = None,
+        seq_len: SeqLen = None,
+        grad_accum: GradAccum = None,
+        checkpointing: Checkpointing = None,
+        flash_attention: FlashAttention = None,
+        offload_optimizer: OffloadOptimizer = None,
+        offload_param: OffloadParam = None,
+        stage: Stage = None,
+        comm_model: CommModel = DEFAULT_COMM_MODEL,
+        mfu: Mfu = DEFAULT_MFU,
+        strict: Strict = False,
+        lenient: Lenient = False,
+        html: Annotated[Optional[str], typer.Option(
+            "--html", metavar="PATH", show_default="none",
+            help="Write a self-contained HTML report (inline SVG charts, no network) to this path.")] = None,
+        svg: Annotated[Optional[str], typer.Option(
+            "--svg", metavar="PATH", show_default="none",
+            help="Write the per-GPU memory chart alone as an SVG file.")] = None,
+        max_nodes: Annotated[int, typer.Option(
+            "--max-nodes", metavar="N", help="Sweeps go to this many nodes (1, 2, 4, …).")] = 64,
+        json_out: Json = False,
     ) -> None:
         """Charts: per-GPU memory by category vs GPU memory, compute vs communication, and sweeps over
         the number of GPUs and nodes — in the terminal, or as one self-contained HTML file.
@@ -252,9 +279,9 @@ def register(app: typer.Typer) -> None:
             ds_config=ds_config, strict=strict, precision=precision, optimizer=optimizer,
             micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, checkpointing=checkpointing,
             flash_attention=flash_attention, offload_optimizer=offload_optimizer, offload_param=offload_param,
-            stage=stage,
+            stage=parse_stages(stage),
         )
-        result, inp = run_estimate(**options, comm_model=comm_model, mfu=mfu)
+        result, inp = run_estimate(**options, comm_model=comm_model, mfu=mfu, lenient=lenient)
         con = console()
         show_progress = not json_out and sys.stdout.isatty() and con.is_terminal
         total = _sweep_evaluations(inp, max_nodes)

@@ -15,13 +15,17 @@ Quirks kept on purpose (they are what DeepSpeed computes):
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel
 
 __all__ = [
     "estimate_zero2",
     "estimate_zero3",
     "DeepSpeedEstimate",
+    "EstimatorDifference",
     "deepspeed_estimate_for",
+    "difference_from_peak",
 ]
 
 
@@ -78,14 +82,50 @@ def estimate_zero3(
     return int(cpu_mem), int(gpu_mem), int(largest_layer_memory)
 
 
+class EstimatorDifference(BaseModel):
+    """zeroplan's peak per GPU − DeepSpeed's GPU estimate, split into named parts that add up to
+    ``difference_bytes`` exactly (bytes per GPU; a part may be negative).
+
+    ``model_states_bytes``: zeroplan's parameters + gradients + optimizer states live in the peak
+    phase minus DeepSpeed's whole GPU figure (which counts model states only, plus the largest
+    layer for ZeRO-3); ``buffers_bytes``, ``activations_bytes`` (live in the peak phase) and
+    ``overhead_bytes`` (CUDA context, NCCL, fragmentation) are not in DeepSpeed's estimate at all.
+    """
+
+    difference_bytes: int
+    model_states_bytes: int
+    buffers_bytes: int
+    activations_bytes: int
+    overhead_bytes: int
+
+
 class DeepSpeedEstimate(BaseModel):
     """DeepSpeed's estimator numbers for one evaluated stage / offload option."""
 
     function: str  # which DeepSpeed function and arguments
+    estimator: str = ""  # the DeepSpeed function's name (ZeRO-1 has none: ZeRO-2's is shown)
     gpu_bytes_per_gpu: int
     cpu_bytes_per_node: int
     largest_layer_bytes: int | None = None
     note: str
+    vs_peak: EstimatorDifference | None = None  # filled by core.plan.evaluate
+
+
+def difference_from_peak(est: DeepSpeedEstimate, mem: Any) -> EstimatorDifference:
+    """Decompose ``mem.peak − est.gpu_bytes_per_gpu`` (``mem``: a core.memory.MemoryBreakdown).
+
+    The peak is the live bytes of the peak phase (by category) plus the overhead allowance, so the
+    parts below add up to the difference by construction; the assertion keeps it so."""
+    cats = mem.phases[mem.peak_phase].by_category
+    states = int(cats["params"]) + int(cats["gradients"]) + int(cats["optimizer_states"])
+    d = EstimatorDifference(
+        difference_bytes=int(mem.peak) - int(est.gpu_bytes_per_gpu),
+        model_states_bytes=states - int(est.gpu_bytes_per_gpu),
+        buffers_bytes=int(cats["buffers"]), activations_bytes=int(cats["activations"]),
+        overhead_bytes=int(mem.overhead),
+    )
+    assert d.model_states_bytes + d.buffers_bytes + d.activations_bytes + d.overhead_bytes == d.difference_bytes
+    return d
 
 
 def deepspeed_estimate_for(
@@ -115,9 +155,10 @@ def deepspeed_estimate_for(
                 f"num_gpus_per_node={gpus_per_node}, num_nodes={num_nodes}, "
                 f"cpu_offload={offload_optimizer}, additional_buffer_factor={additional_buffer_factor})"
             ),
+            estimator="estimate_zero2_model_states_mem_needs",
             gpu_bytes_per_gpu=gpu,
             cpu_bytes_per_node=cpu,
-            note=common + ("; stage 1 has no estimator of its own, ZeRO-2's is shown" if stage == 1 else ""),
+            note=common + ("; DeepSpeed has no ZeRO-1 estimator, ZeRO-2's is shown" if stage == 1 else ""),
         )
     if stage == 3:
         cpu, gpu, largest = estimate_zero3(
@@ -133,6 +174,7 @@ def deepspeed_estimate_for(
                 f"cpu_offload_params={offload_param}, zero_init=True, "
                 f"additional_buffer_factor={additional_buffer_factor})"
             ),
+            estimator="estimate_zero3_model_states_mem_needs",
             gpu_bytes_per_gpu=gpu,
             cpu_bytes_per_node=cpu,
             largest_layer_bytes=largest,

@@ -7,24 +7,36 @@ InputError naming the option or file, the value and what was expected.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from zeroplan._util import InputError
+from zeroplan._util import InputError, read_text_file
 from zeroplan.specs.deepspeed_config import (
+    DEEPSPEED_VERSION,
+    ZEROPLAN_KEY,
     DSConfig,
     OffloadOptimizerConfig,
     OffloadParamConfig,
     ZeroConfig,
     load_ds_config,
 )
+from zeroplan.specs.config_lines import find_key_line, key_lines
 from zeroplan.specs.hardware import HardwareProfile, load_profile
 from zeroplan.specs.model import ModelSpec, load_model
 from zeroplan.specs.training import TrainingSetup, get_optimizer, get_precision
 
-__all__ = ["PlanInputs", "build_plan_inputs", "zero_for_stage", "OFFLOAD_DEVICES"]
+__all__ = [
+    "PlanInputs", "build_plan_inputs", "zero_for_stage", "OFFLOAD_DEVICES", "CHECKPOINTING", "DEFAULT_SEQ_LEN",
+    "ZEROPLAN_KEY", "refuse_ds_errors", "annotate_ds_config", "planning_metadata",
+]
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+CHECKPOINTING = ("none", "selective", "full")
+DEFAULT_SEQ_LEN = 2048
+DEFAULT_CHECKPOINTING = "none"
+DEFAULT_FLASH_ATTENTION = True
 
 
 @dataclass
@@ -86,20 +98,25 @@ def build_plan_inputs(
     precision: str | None = None,
     optimizer: str | None = None,
     micro_batch: int | None = None,
-    seq_len: int = 2048,
+    seq_len: int | None = None,
     grad_accum: int | None = None,
-    checkpointing: str = "none",
-    flash_attention: bool = True,
+    checkpointing: str | None = None,
+    flash_attention: bool | None = None,
     offload_optimizer: str | None = None,
     offload_param: str | None = None,
-    stage: int | None = None,
+    stage: int | list[int] | None = None,
 ) -> PlanInputs:
+    """The planning inputs. ``None`` means "not given": the DeepSpeed config's value (for
+    ``seq_len``/``checkpointing``/``flash_attention`` its ``zeroplan`` block), else the default.
+    ``stage`` is one stage or a list of stages."""
+    stage_list = None if stage is None else ([stage] if isinstance(stage, int) else list(stage))
     for name, v in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
                     ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
         _check_positive(name, v)
-    if stage is not None and stage not in (0, 1, 2, 3):
-        raise InputError(f"--stage {stage} is not a ZeRO stage; expected 0, 1, 2 or 3")
-    if checkpointing not in ("none", "selective", "full"):
+    for st in stage_list or []:
+        if isinstance(st, bool) or st not in (0, 1, 2, 3):
+            raise InputError(f"--stage {st} is not a ZeRO stage; expected 0, 1, 2 or 3")
+    if checkpointing is not None and checkpointing not in CHECKPOINTING:
         raise InputError(f"--checkpointing {checkpointing!r} is unknown; expected none, selective or full")
     for name, v in (("--offload-optimizer", offload_optimizer), ("--offload-param", offload_param)):
         if v is not None and v not in OFFLOAD_DEVICES:
@@ -139,8 +156,20 @@ def build_plan_inputs(
     # ---- DeepSpeed config ----
     ds = None
     if ds_config is not None:
+        if precision is not None:
+            get_precision(precision)  # a bad --precision is the option's mistake, not the file's
         ds = load_ds_config(ds_config, strict=strict, hidden_size=spec.hidden_size, micro_batch=micro_batch,
-                            grad_accum=grad_accum, world_size=n_gpus)
+                            grad_accum=grad_accum, world_size=n_gpus, precision=precision)
+    meta = planning_metadata(ds) if ds is not None else {}
+    for name, flag, value in (("seq_len", "--seq-len", seq_len), ("checkpointing", "--checkpointing", checkpointing),
+                              ("flash_attention", "--flash-attention", flash_attention)):
+        if value is None and name in meta:
+            assumptions.append(f"{name.replace('_', ' ')} {meta[name]} from {ds_config}: {ZEROPLAN_KEY}.{name} "
+                               f"(give {flag} to override)")
+    seq_len = seq_len if seq_len is not None else meta.get("seq_len", DEFAULT_SEQ_LEN)
+    checkpointing = checkpointing if checkpointing is not None else meta.get("checkpointing", DEFAULT_CHECKPOINTING)
+    if flash_attention is None:
+        flash_attention = meta.get("flash_attention", DEFAULT_FLASH_ATTENTION)
 
     # ---- precision / optimizer / batch ----
     if precision is not None:
@@ -170,8 +199,8 @@ def build_plan_inputs(
     )
     assumptions.append(f"precision {prec.name} ({prec_src})")
 
-    if stage is not None:
-        stages = [stage]
+    if stage_list:
+        stages = sorted(set(stage_list))
     elif ds is not None:
         stages = [ds.zero.stage]
     else:
@@ -182,3 +211,88 @@ def build_plan_inputs(
         spec=spec, hardware=hw, training=training, n_gpus=n_gpus, gpus_per_node=gpn, nodes=n_nodes, ds=ds,
         stages=stages, offload_optimizer=offload_optimizer, offload_param=offload_param, assumptions=assumptions,
     )
+
+
+# ------------------------------------------------------------------ the config's zeroplan block
+# DeepSpeed 0.19.8 ignores top-level keys it does not know (DeepSpeedConfig._initialize_params
+# reads known keys with get_scalar_param and never rejects extras; tests/test_cli_options.py
+# constructs DeepSpeedConfig on an emitted file to prove it). zeroplan stores there what it
+# assumed and DeepSpeed cannot express: sequence length, checkpointing, flash attention.
+
+_META_CHECKS = {
+    "seq_len": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 10**8),
+    "checkpointing": ("none, selective or full", lambda v: v in CHECKPOINTING),
+    "flash_attention": ("true or false", lambda v: isinstance(v, bool)),
+}
+
+
+def _where(ds: DSConfig, key: str) -> str:
+    """``file:line`` of a dotted key (``file`` alone when the line is unknown)."""
+    if not ds.path:
+        return "<config>"
+    line = None
+    try:
+        line = find_key_line(key_lines(read_text_file(ds.path, "DeepSpeed config")), key)
+    except InputError:
+        pass
+    return f"{ds.path}:{line}" if line else ds.path
+
+
+def planning_metadata(ds: DSConfig) -> dict[str, Any]:
+    """The validated planning values of the config's ``zeroplan`` block (absent keys left out)."""
+    block = ds.raw.get(ZEROPLAN_KEY)
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise InputError(f"{_where(ds, ZEROPLAN_KEY)}: {ZEROPLAN_KEY} = {block!r}: expected an object "
+                         "(zeroplan's planning metadata)")
+    out: dict[str, Any] = {}
+    for key, (expected, ok) in _META_CHECKS.items():
+        if key in block:
+            if not ok(block[key]):
+                raise InputError(f"{_where(ds, f'{ZEROPLAN_KEY}.{key}')}: {ZEROPLAN_KEY}.{key} = "
+                                 f"{json.dumps(block[key])}: expected {expected}")
+            out[key] = block[key]
+    return out
+
+
+def annotate_ds_config(config: dict[str, Any], *, seq_len: int, checkpointing: str, flash_attention: bool,
+                       model: str, hardware: str | None, n_gpus: int) -> dict[str, Any]:
+    """``config`` plus what the plan assumed: a ``zeroplan`` block (read back by ``check`` and
+    ``estimate``) and, for full checkpointing, DeepSpeed's ``activation_checkpointing`` block with
+    DeepSpeed's defaults (what ``deepspeed.checkpointing.checkpoint`` uses when the script calls it;
+    the block configures checkpointing but does not switch it on, and cannot say "selective")."""
+    out = dict(config)
+    if checkpointing == "full" and "activation_checkpointing" not in out:
+        out["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
+                                           "contiguous_memory_optimization": False,
+                                           "synchronize_checkpoint_boundary": False}
+    out[ZEROPLAN_KEY] = {
+        "seq_len": seq_len, "checkpointing": checkpointing, "flash_attention": flash_attention,
+        "planned_for": {"model": model, "hardware": hardware, "gpus": n_gpus},
+        "note": "written by zeroplan recommend; DeepSpeed ignores this key",
+    }
+    return out
+
+
+# ------------------------------------------------------------------ refusing what DeepSpeed refuses
+_FALLBACK = re.compile(r";\s*(?:DeepSpeed rejects it|using the default [^;]*|using [^;]*$|planning with [^;]*|zeroplan plans with [^;]*)")
+
+
+def refuse_ds_errors(ds: DSConfig | None) -> None:
+    """Raise InputError for the first error finding of ``ds``: a config DeepSpeed 0.19.8 refuses.
+
+    Error-severity findings are exactly those where DeepSpeed raises (pydantic ValidationError in
+    DeepSpeedZeroConfig / DeepSpeedFP16Config / DeepSpeedBF16Config, the batch and precision
+    assertions in DeepSpeedConfig._do_sanity_check / _batch_assertion, removed keys) or fails at
+    engine start (odd allgather_bucket_size at stage 1/2, nvme without nvme_path); see
+    specs/deepspeed_config.py's rule table. One line: file:line, the finding (key = value: expected).
+    """
+    if ds is None or not ds.errors:
+        return
+    first = ds.errors[0]
+    where = _where(ds, first.key) if first.key else (ds.path or "<config>")
+    msg = _FALLBACK.sub("", first.message).rstrip("; ")
+    more = f" (and {len(ds.errors) - 1} more error(s); `zeroplan check` lists them)" if len(ds.errors) > 1 else ""
+    raise InputError(f"{where}: {first.rule_id} {msg}; DeepSpeed {DEEPSPEED_VERSION} refuses this config "
+                     f"(--lenient plans it anyway){more}")

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
-from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for
+from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
 from zeroplan.core.layout import build_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
@@ -107,6 +107,8 @@ def evaluate(
         ),
         notes=list(mem.notes) + list(ledger.notes),
     )
+    if plan.deepspeed_estimator is not None:
+        plan.deepspeed_estimator.vs_peak = difference_from_peak(plan.deepspeed_estimator, mem)
     if hardware is not None:
         plan.gpu_memory_bytes = int(hardware.gpu.memory_bytes)
         plan.headroom_bytes = plan.gpu_memory_bytes - mem.peak

@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry
-from zeroplan.core.compute import ComputeEstimate, estimate_compute
+from zeroplan.core.compute import ComputeEstimate, estimate_compute, peak_flops
 from zeroplan.core.nccl_model import collective_choice
 from zeroplan.core.overlap import OVERLAP_SLOWDOWN, OVERLAP_SLOWDOWN_SOURCE, PhaseComm, schedule_overlap
 from zeroplan.specs.collectives import busbw_factor
@@ -112,8 +112,6 @@ class TimeEstimate(BaseModel):
 
 def _legacy_compute(active_params: int, training: TrainingSetup, hw: Any, mfu: float | None) -> ComputeEstimate:
     """Without an architecture: 6·Ψ·tokens (8· with full recomputation) at ``mfu`` (0.4 if none)."""
-    from zeroplan.core.compute import peak_flops
-
     tokens = training.micro_batch * training.seq_len * training.grad_accum
     model = 6.0 * active_params * tokens
     hard = model * (8 / 6 if training.checkpointing == "full" else 1)

@@ -8,6 +8,9 @@ lower-case beyond the GPU's capacity, ``|`` at the capacity.
 
 Both renderers accept an ``EstimateResult`` (anything with ``.stages``, a list of Plans) or a
 plain list of Plans.
+
+Lazy import: ``rich.text`` inside each renderer, so that importing this module (the HTML report
+reads its category and colour tables) does not import rich.
 """
 
 from __future__ import annotations
@@ -83,13 +86,15 @@ def memory_at_peak(p: Any) -> dict[str, int]:
     return out
 
 
-def stage_label(p: Any) -> str:
-    """'ZeRO-3', 'ZeRO-3 (opt→cpu, param→nvme)' — ASCII arrows when ``ascii`` output is needed."""
+def stage_label(p: Any, ascii_only: bool = False) -> str:
+    """'ZeRO-3', 'ZeRO-3 (opt→cpu, param→nvme)' — ASCII arrows (``->``) only when ``ascii_only``
+    (a console that cannot show them); the terminal table, recommend and the HTML all use →."""
+    arrow = "->" if ascii_only else "→"
     extra = []
     if p.offload_optimizer != "none":
-        extra.append(f"opt->{p.offload_optimizer}")
+        extra.append(f"opt{arrow}{p.offload_optimizer}")
     if p.offload_param != "none":
-        extra.append(f"param->{p.offload_param}")
+        extra.append(f"param{arrow}{p.offload_param}")
     return f"ZeRO-{p.stage}" + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -184,7 +189,7 @@ def render_memory_bars(con: Any, result: Any, *, title: str | None = None) -> No
     if capacity:
         axis_max = min(axis_max, _MAX_CAPACITIES_ON_AXIS * capacity)
         axis_max = max(axis_max, 1.15 * capacity)
-    labels = [stage_label(p) for p in plans]
+    labels = [stage_label(p, ascii_only) for p in plans]
     suffixes = []
     for p in plans:
         s = _gb_text(p.memory.peak)
@@ -299,7 +304,7 @@ def render_time_bars(con: Any, result: Any, *, title: str | None = None) -> None
         return
     ascii_only = use_ascii(con)
     axis_max = max(sum(v) for _, v in rows) or 1.0
-    labels = [stage_label(p) for p, _ in rows]
+    labels = [stage_label(p, ascii_only) for p, _ in rows]
     suffixes = [_time_suffix(p) for p, _ in rows]
     label_w, bar_w, wrap = _layout(con, labels, suffixes)
     con.print(Text(title or "Time per optimizer step: compute, exposed communication, offload (seconds)", style="bold"))

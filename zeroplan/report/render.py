@@ -1,12 +1,18 @@
-"""Rich renderers for the terminal. Units are always printed: GB = 10^9 bytes, GiB = 2^30."""
+"""Rich renderers for the terminal. Units are always printed: GB = 10^9 bytes, GiB = 2^30.
+
+Lazy import: ``rich`` (in ``render_estimate``, the one function that draws a table). The planning
+commands import this module for its number formats (``gb``, ``seconds``) and their ``--json`` path
+must not pay for rich; zeroplan modules are imported at module level.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from zeroplan._util import GiB, fmt_gb, fmt_gib
+from zeroplan.report.charts import render_memory_bars, render_time_bars
 
-__all__ = ["render_estimate", "gb", "gb_gib", "render_findings", "seconds"]
+__all__ = ["render_estimate", "gb", "gb_gib", "render_findings", "seconds", "estimator_line", "rounded_parts"]
 
 
 def gb(n: float | None) -> str:
@@ -35,6 +41,42 @@ def _stage_label(p: Any) -> str:
     if p.offload_param != "none":
         extra.append(f"param→{p.offload_param}")
     return label + (f" ({', '.join(extra)})" if extra else "")
+
+
+def rounded_parts(total_units: int, parts: list[int], unit: int = 10**7) -> list[int]:
+    """``parts`` (bytes) in whole ``unit``s (default 0.01 GB), rounded so that they add up to
+    ``total_units`` exactly: each part is floored, then the units left over go to the parts with the
+    largest remainders (the largest remainder method; ``total_units`` is within len(parts) units
+    of the sum of the floors)."""
+    floors = [p // unit for p in parts]
+    left = total_units - sum(floors)
+    order = sorted(range(len(parts)), key=lambda i: -(parts[i] - floors[i] * unit))
+    out = list(floors)
+    for k in range(abs(left)):
+        i = order[k % len(parts)] if left > 0 else order[-1 - k % len(parts)]
+        out[i] += 1 if left > 0 else -1
+    return out
+
+
+def estimator_line(p: Any) -> str:
+    """One plan's DeepSpeed estimator, and zeroplan's peak minus it in named parts that add up to the
+    shown difference (GB = 1e9 bytes, two decimals: peak and estimate are rounded first, the parts
+    are rounded to match)."""
+    e = p.deepspeed_estimator
+    name = e.estimator or e.function.split("(")[0]
+    none1 = " (DeepSpeed has no ZeRO-1 estimator)" if p.stage == 1 else ""
+    line = (f"{_stage_label(p)} vs {name}{none1}: {gb_gib(e.gpu_bytes_per_gpu)} per GPU, "
+            f"{gb(e.cpu_bytes_per_node)} CPU per node")
+    d = e.vs_peak
+    if d is None:
+        return line
+    unit = 10**7
+    peak_u, est_u = round(p.memory.peak / unit), round(e.gpu_bytes_per_gpu / unit)
+    st, bu, ac, ov = rounded_parts(peak_u - est_u, [d.model_states_bytes, d.buffers_bytes, d.activations_bytes,
+                                                    d.overhead_bytes], unit)
+    u = lambda x: f"{x / 100:,.2f}".replace("-", "−")  # noqa: E731  (hundredths of a GB)
+    return (f"{line}\n    zeroplan's peak {u(peak_u)} − DeepSpeed's {u(est_u)} = {u(peak_u - est_u)} GB: model states "
+            f"{u(st)} + buffers {u(bu)} + activations {u(ac)} + overhead {u(ov)} (DeepSpeed counts model states only)")
 
 
 def render_findings(con: Any, findings: list[Any]) -> None:
@@ -111,8 +153,6 @@ def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None)
             row("offload share", lambda p: f"{p.time.offload_share:.0%}")
         row("tokens/s (cluster)", lambda p: f"{p.tokens_per_s:,.0f}")
     con.print(table)
-    from zeroplan.report.charts import render_memory_bars, render_time_bars
-
     render_memory_bars(con, result)
     if c.hardware:
         render_time_bars(con, result)
@@ -122,17 +162,11 @@ def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None)
         con.print(f"  {_stage_label(p)}: {p.memory.peak_reason}", markup=False, highlight=False)
     ds_rows = [p for p in result.stages if p.deepspeed_estimator is not None]
     if ds_rows:
-        con.print("[bold]DeepSpeed's own estimator[/] (model states only; DeepSpeed prints GiB labelled \"GB\")", markup=True)
+        con.print("[bold]DeepSpeed's own estimators[/] (model states only; DeepSpeed prints GiB labelled \"GB\": "
+                  "shown here as GB and GiB)", markup=True)
         for p in ds_rows:
-            e = p.deepspeed_estimator
-            diff = p.memory.peak - e.gpu_bytes_per_gpu
-            con.print(
-                f"  {_stage_label(p)}: {gb_gib(e.gpu_bytes_per_gpu)} per GPU, {gb(e.cpu_bytes_per_node)} CPU per node; "
-                f"zeroplan's peak is {gb(abs(diff))} {'higher' if diff >= 0 else 'lower'}: buffers "
-                f"{gb(p.memory.buffers)}, activations {gb(p.memory.activations)}, overhead {gb(p.memory.overhead)} "
-                f"are not in DeepSpeed's estimate",
-                markup=False, highlight=False,
-            )
+            for text in estimator_line(p).split("\n"):
+                con.print("  " + text, markup=False, highlight=False)
     notes = list(dict.fromkeys(result.assumptions + [n for p in result.stages for n in p.notes]))
     if notes:
         con.print("[bold]Assumptions[/]", markup=True)

@@ -77,6 +77,7 @@ __all__ = [
     "DSConfig",
     "ABSENT",
     "TOP_LEVEL_KEYS",
+    "ZEROPLAN_KEY",
     "load_ds_config",
     "parse_ds_json",
     "build_ds_config",
@@ -330,6 +331,10 @@ _TOP_REMOVED: dict[str, str] = {
     "curriculum_learning": "top-level curriculum_learning was removed; use data_efficiency.data_sampling.curriculum_learning",
     "progressive_layer_drop": "Progressive Layer Dropping was removed",
 }
+
+# zeroplan's own planning metadata (sequence length, checkpointing, ...; core/inputs.py). DeepSpeed
+# 0.19.8 ignores unknown top-level keys, so the reader does not report it (no DS001).
+ZEROPLAN_KEY = "zeroplan"
 
 # Top-level keys DeepSpeed 0.19.8 reads (DeepSpeedConfig._initialize_params and the configs
 # it builds, deepspeed.initialize). Anything else is ignored by DeepSpeed -> DS001 warning.
@@ -1130,7 +1135,7 @@ def _read_top_level(r: _Reader, raw: dict[str, Any]) -> None:
         if k in _TOP_REMOVED:
             r.add("DS009", "error", k, f"{k}: {_TOP_REMOVED[k]} in DeepSpeed {DEEPSPEED_VERSION}, "
                   "which raises DeepSpeedConfigError for this key; remove it", None)
-        elif k not in TOP_LEVEL_KEYS:
+        elif k not in TOP_LEVEL_KEYS and k != ZEROPLAN_KEY:
             r.unknown(k, TOP_LEVEL_KEYS, "warning", "DeepSpeed ignores it")
 
 

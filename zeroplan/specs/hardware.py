@@ -503,6 +503,8 @@ def _toml_value(v: Any) -> str:
         return _toml_float(v)
     if isinstance(v, str):
         return _toml_str(v)
+    if isinstance(v, (list, tuple)):  # e.g. the NCCL algorithms a link offers
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 

@@ -48,6 +48,7 @@ import functools
 import json
 import re
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -758,8 +759,69 @@ def _load_path(p: Path) -> ModelSpec:
     return spec_from_config(cfg, name or (p.parent.name if p.name == "config.json" else p.stem), f"config:{p}")
 
 
+# --------------------------------------------------------------------------- Hugging Face Hub ids
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+@functools.lru_cache(maxsize=1)
+def _hub_index() -> dict[str, str]:
+    """Lower-case Hub id (``hf_repo`` and ``hf_aliases`` of each catalog entry) -> catalog key."""
+    out: dict[str, str] = {}
+    for key in _catalog_files():
+        entry = _catalog_entry_cached(key)
+        for repo in [entry["hf_repo"], *entry.get("hf_aliases", [])]:
+            out[str(repo).lower()] = key
+    return out
+
+
+def _hub_catalog_key(ref_lower: str) -> str | None:
+    return _hub_index().get(ref_lower)
+
+
+def hf_hub_cache_dir() -> Path:
+    """The Hugging Face Hub cache, resolved as huggingface_hub.constants does: HF_HUB_CACHE
+    (or the older HUGGINGFACE_HUB_CACHE), else HF_HOME/hub, else XDG_CACHE_HOME/huggingface/hub,
+    else ~/.cache/huggingface/hub."""
+    env = os.environ
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(var):
+            return Path(env[var]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    base = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def hf_cache_config(repo_id: str) -> Path | None:
+    """``config.json`` of ``repo_id`` in the local Hub cache, or None. Never touches the network.
+
+    Layout (huggingface_hub file_download): ``models--ORG--NAME/refs/main`` holds the commit
+    hash of ``snapshots/<hash>/``; without a usable ref, the newest snapshot holding a config.json.
+    """
+    repo_dir = hf_hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo_dir / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo_dir / "refs" / "main"
+    try:
+        commit = ref.read_text(encoding="utf-8").strip() if ref.is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        commit = ""
+    if commit and "/" not in commit and commit not in (".", ".."):
+        cfg = snapshots / commit / "config.json"
+        if cfg.is_file():
+            return cfg
+    found = [p / "config.json" for p in snapshots.iterdir() if (p / "config.json").is_file()]
+    if not found:
+        return None
+    return max(found, key=lambda c: c.stat().st_mtime)
+
+
 def load_model(ref: str) -> ModelSpec:
-    """Catalog name, path to an HF config.json (or its directory), or a count such as 7B / 70e9 / 1.3T.
+    """Catalog name, path to an HF config.json (or its directory), a Hugging Face Hub id (the catalog
+    entry whose ``hf_repo``/``hf_aliases`` match, else the config.json in the local Hub cache), or a
+    count such as 7B / 70e9 / 1.3T. Never uses the network.
 
     Catalog specs are parsed once per process and cached; each call returns a copy whose
     lists/dicts may be mutated, but whose ParamTensor objects are shared (treat as read-only).
@@ -772,9 +834,24 @@ def load_model(ref: str) -> ModelSpec:
     key = ref.strip().lower()
     if key in _catalog_files():
         return _fresh(_catalog_spec_cached(key))
+    hub = _hub_catalog_key(key)
+    if hub is not None:
+        return _fresh(_catalog_spec_cached(hub))
+    if _HUB_ID.match(ref.strip()):
+        cached = hf_cache_config(ref.strip())
+        if cached is not None:
+            spec = _load_path(cached)
+            spec.hf_repo = ref.strip()
+            spec.name = ref.strip()  # the Hub id, not the snapshot hash or the uploader's _name_or_path
+            return spec
     try:
         parse_count(ref)
     except InputError:
+        if _HUB_ID.match(ref.strip()) and not ref.strip().lower().endswith(".json"):
+            raise InputError(
+                f"model {ref!r}: not a file, not a Hub id in the catalog, and not in the local Hugging Face "
+                f"cache ({hf_hub_cache_dir()}); zeroplan never downloads: pass the path to its config.json "
+                "(or `huggingface-cli download " + ref.strip() + " config.json` first)") from None
         if ref.strip().lower().endswith(".json") or "/" in ref:
             raise InputError(f"{ref}: model config not found") from None
         if re.match(r"^\s*[-+]?[0-9.]+(?:[eE][+-]?[0-9]+)?\s*[KMBGTkmbgt]?\s*$", ref):

@@ -1,0 +1,255 @@
+"""The sweep's shared evaluation: what ``recommend`` computes once and reuses across the search grid.
+
+``_Family`` holds one ZeRO stage's grid of (offload, reduce bucket, prefetch bucket, hpZ) points and
+evaluates their non-activation bytes per phase, host/NVMe bytes and collective ledger, composing a
+point additively from single-axis variants where that is exact (checked once per stage). ``_Sweep``
+holds what is shared across stages (layouts per persistence setting, trainings per micro-batch and
+checkpointing, per-sample activations) and turns a point into its peak and step time with the same
+core functions ``evaluate()`` uses.
+
+Imports: module level only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from zeroplan.advice.recommend_models import CKPT_ORDER, candidate_zero
+from zeroplan.core.activations import activation_memory
+from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
+from zeroplan.core.layout import build_layout
+from zeroplan.core.memory import memory_for_stage
+from zeroplan.core.timing import estimate_time
+
+__all__: list[str] = []  # internal to recommend: _State, _Family, _Sweep
+
+
+@dataclass
+class _State:
+    """One (stage, offload, buckets, hpZ) point: everything that does not depend on the batch."""
+
+    stage: int
+    off_opt: str
+    off_par: str
+    rbs: int
+    prefetch: int | None
+    hpz: int
+    zero: Any
+    na: tuple[int, int, int, int]  # non-activation live bytes: forward, backward start/end, step
+    host_per_node: int
+    nvme_per_node: int
+    deviation: int  # how many searched keys differ from the base config
+    key: tuple = ()
+
+
+def _entry_key(e: Any) -> tuple:
+    return (e.op, e.phase, e.what, e.buffer_bytes, e.dtype, e.group, e.group_size, e.overlap, e.sent_bytes_per_call)
+
+
+class _Family:
+    """All states of one stage, on a grid of axes (offload, reduce bucket, prefetch, hpZ).
+
+    The non-activation bytes per phase, host/NVMe bytes and the collective ledger (as a multiset of
+    calls) are evaluated directly at the base point and at every single-axis variant; any other
+    point is composed additively from those (each axis changes its own buffers and collectives).
+    The composition is checked once per stage against a direct evaluation of the far corner of the
+    grid; if it differs — an interaction between axes — every point is evaluated directly.
+    """
+
+    def __init__(self, sweep: "_Sweep", stage: int, axes: list[list[Any]]):
+        self.sw = sweep
+        self.stage = stage
+        self.axes = axes
+        self.base = tuple(v[0] for v in axes)
+        self.corner = tuple(v[-1] for v in axes)
+        self._mem: dict[tuple, tuple] = {}
+        self._led: dict[tuple, tuple] = {}
+        self.mem_ok: bool | None = None if self.corner != self.base else True
+        self.led_ok: bool | None = None if self.corner != self.base else True
+        self.direct_evals = 0
+        self.direct_ledgers = 0
+
+    def _singles(self, point: tuple) -> list[tuple]:
+        out = []
+        for i, v in enumerate(point):
+            if v != self.base[i]:
+                q = list(self.base)
+                q[i] = v
+                out.append(tuple(q))
+        return out
+
+    # -- memory --
+    def _mem_direct(self, point: tuple) -> tuple:
+        if point not in self._mem:
+            self.direct_evals += 1
+            zero = self.sw.zero(self.stage, point)
+            m = memory_for_stage(self.sw.spec, self.sw.ref_training, zero, self.sw.n, gpus_per_node=self.sw.gpn,
+                                 overhead=self.sw.overhead, layout=self.sw.layout(zero))
+            f = m.phases["forward"].by_category
+            b = m.phases["backward"].by_category
+            st = m.phases["step"].by_category
+            common = b["params"] + b["optimizer_states"] + b["buffers"]
+            self._mem[point] = (f["params"] + f["gradients"] + f["optimizer_states"] + f["buffers"],
+                                common + f["gradients"], common + st["gradients"], sum(st.values()),
+                                m.host.per_node_bytes, m.host.nvme_per_node_bytes)
+        return self._mem[point]
+
+    def _mem_composed(self, point: tuple) -> tuple:
+        base = self._mem_direct(self.base)
+        acc = list(base)
+        for q in self._singles(point):
+            d = self._mem_direct(q)
+            acc = [a + (x - y) for a, x, y in zip(acc, d, base)]
+        return tuple(acc)
+
+    def memory(self, point: tuple) -> tuple:
+        if point in self._mem:
+            return self._mem[point]
+        if self.mem_ok is None:
+            self.mem_ok = self._mem_composed(self.corner) == self._mem_direct(self.corner)
+        if self.mem_ok and len(self._singles(point)) > 1:
+            return self._mem_composed(point)
+        return self._mem_direct(point)
+
+    # -- ledger --
+    def _led_direct(self, point: tuple) -> tuple:
+        if point not in self._led:
+            self.direct_ledgers += 1
+            zero = self.sw.zero(self.stage, point)
+            led = build_ledger(self.sw.layout(zero), self.sw.inp.training, zero, gpus_per_node=self.sw.gpn,
+                               comm_model=self.sw.comm_model)
+            calls = Counter()
+            proto = {}
+            for e in led.collectives:
+                k = _entry_key(e)
+                calls[k] += e.count
+                proto[k] = e
+            pcie = Counter((p.direction, p.what, p.bytes_per_step, p.source) for p in led.pcie)
+            self._led[point] = (calls, pcie, proto)
+        return self._led[point]
+
+    def _led_composed(self, point: tuple) -> tuple:
+        calls0, pcie0, proto0 = self._led_direct(self.base)
+        calls, pcie, proto = Counter(calls0), Counter(pcie0), dict(proto0)
+        for q in self._singles(point):
+            c, p, pr = self._led_direct(q)
+            calls.update(c)
+            calls.subtract(calls0)
+            pcie.update(p)
+            pcie.subtract(pcie0)
+            proto.update(pr)
+        if any(v < 0 for v in calls.values()) or any(v < 0 for v in pcie.values()):
+            return None  # type: ignore[return-value]
+        return (+calls, +pcie, proto)
+
+    def ledger(self, point: tuple) -> tuple:
+        if point in self._led:
+            return self._led[point]
+        if self.led_ok is None:
+            comp = self._led_composed(self.corner)
+            self.led_ok = comp is not None and comp[:2] == self._led_direct(self.corner)[:2]
+        if self.led_ok and len(self._singles(point)) > 1:
+            comp = self._led_composed(point)
+            if comp is not None:
+                return comp
+        return self._led_direct(point)
+
+
+class _Sweep:
+    def __init__(self, inp: Any, *, comm_model: str, mfu: float | None, base_zeros: dict[int, Any]):
+        self.inp = inp
+        self.hw = inp.hardware
+        self.spec = inp.spec
+        self.n = inp.n_gpus
+        self.gpn = inp.gpus_per_node
+        self.comm_model = comm_model
+        self.mfu = mfu
+        self.base_zeros = base_zeros
+        self.overhead = self.hw.overhead.model_dump()
+        self.ref_training = inp.training.model_copy(update={"micro_batch": 1, "checkpointing": "none"})
+        self._layouts: dict[tuple, Any] = {}
+        self._trainings: dict[tuple, Any] = {}
+        self._zeros: dict[tuple, Any] = {}
+        self.families: dict[int, _Family] = {}
+        s, V = inp.training.seq_len, self.spec.vocab_size
+        # activations for ONE sample (exactly linear in the micro-batch), per checkpointing policy
+        self.act_fwd: dict[str, int] = {}
+        self.act_bwd: dict[str, int] = {}
+        for c in CKPT_ORDER:
+            a = activation_memory(self.spec, self.training(1, c))
+            self.act_fwd[c] = a.total
+            self.act_bwd[c] = a.total + 4 * s * 1 * V + a.recompute  # + fp32 logits gradient (core/memory.py)
+
+    def training(self, mb: int, ckpt: str) -> Any:
+        key = (mb, ckpt)
+        t = self._trainings.get(key)
+        if t is None:
+            t = self.inp.training.model_copy(update={"micro_batch": mb, "checkpointing": ckpt})
+            self._trainings[key] = t
+        return t
+
+    def layout(self, zero: Any) -> Any:
+        stage = zero.stage
+        pt = int(zero.param_persistence_threshold) if stage == 3 else 0
+        key = (pt, zero.model_persistence_threshold)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = (build_layout(self.spec, self.n, persistence_threshold=pt,
+                                                model_persistence_threshold=zero.model_persistence_threshold))
+            self._layouts[key] = lay
+        return lay
+
+    def zero(self, stage: int, point: tuple) -> Any:
+        key = (stage, point)
+        z = self._zeros.get(key)
+        if z is None:
+            (oo, op), rbs, pf, hpz = point
+            z = self._zeros[key] = candidate_zero(self.base_zeros[stage], offload_optimizer=oo, offload_param=op,
+                                                  reduce_bucket_size=rbs, prefetch_bucket_size=pf,
+                                                  hpz_partition_size=hpz)
+        return z
+
+    def state(self, stage: int, point: tuple) -> _State:
+        fam = self.families[stage]
+        fwd, bs, be, stp, host, nvme = fam.memory(point)
+        (oo, op), rbs, pf, hpz = point
+        bz = self.base_zeros[stage]
+        dev = int(rbs != bz.reduce_bucket_size)
+        if stage == 3:
+            dev += int(pf != bz.prefetch_bucket_size) + int(hpz != bz.zero_hpz_partition_size)
+        dev += int(oo != bz.optimizer_offload_device) + int(op != bz.param_offload_device)
+        return _State(stage=stage, off_opt=oo, off_par=op, rbs=rbs, prefetch=pf, hpz=hpz, zero=None,
+                      na=(fwd, bs, be, stp), host_per_node=host, nvme_per_node=nvme, deviation=dev, key=point)
+
+    def peak(self, s: _State, mb: int, ckpt: str) -> int:
+        """Exactly core.memory's peak: max over phases of the live bytes, plus the overhead allowance."""
+        fwd, bs, be, stp = s.na
+        live = max(fwd + mb * self.act_fwd[ckpt], bs + mb * self.act_bwd[ckpt], be, stp)
+        o = self.overhead
+        return live + int(float(o["fragmentation_fraction"]) * live) + int(o["cuda_context_bytes"]) + int(o["nccl_bytes"])
+
+    def ledger(self, s: _State) -> Any:
+        """The state's collective ledger (independent of micro-batch and checkpointing), for estimate_time."""
+        calls, pcie, proto = self.families[s.stage].ledger(s.key)
+        entries = []
+        for k, count in calls.items():
+            e = proto[k]
+            entries.append(e.model_copy(update={"count": count, "sent_bytes": count * e.sent_bytes_per_call}))
+        total = sum(e.sent_bytes for e in entries)
+        by_op: dict[str, int] = {}
+        for e in entries:
+            by_op[e.op] = by_op.get(e.op, 0) + e.sent_bytes
+        pc = [PcieTransfer(direction=d, what=w, bytes_per_step=b, source=src) for (d, w, b, src), c in pcie.items()
+              for _ in range(c)]
+        zero = self.zero(s.stage, s.key)
+        cpu_params, nvme_bytes = offload_costs(self.layout(zero), self.inp.training, zero)
+        return CommLedger(flavour=self.comm_model, collectives=entries, bytes_per_gpu_per_step=total,
+                          bytes_per_gpu_per_step_by_op=by_op, inter_node_bytes_per_gpu_per_step=0, pcie=pc,
+                          cpu_optimizer_params_per_gpu=cpu_params, nvme_bytes_per_gpu_per_step=nvme_bytes)
+
+    def time(self, ledger: Any, mb: int, ckpt: str) -> Any:
+        return estimate_time(ledger, self.training(mb, ckpt), self.hw, active_params=self.spec.active_params,
+                             n_gpus=self.n, gpus_per_node=self.gpn, mfu=self.mfu, model=self.spec)
+

@@ -68,11 +68,12 @@ _LL128_MAX_GBPS = 0.92  # fraction (NCCL: busBw × 120/128 ≈ 0.92)
 # FIFO of NCCL_STEPS slots of NCCL_BUFFSIZE (default 4 MiB, src/include/comm.h DEFAULT_BUFFSIZE) per
 # peer; the proxy thread posts a network send only once a slot is full (src/transport/net.cc,
 # sendProxyProgress), so until every channel's FIFO is primed the GPU-side copy/reduction and the
-# wire do not overlap: the first ``NET_PIPELINE_BYTES_PER_GPU`` bytes each GPU sends across the
-# network cost about twice. Two channels per GPU's NIC (NCCL's default of 2 channels per NIC on
-# multi-node graphs, src/graph/search.cc) × 4 MiB = 8 MiB. The cost saturates: a call of any size
-# pays at most 8 MiB / (NIC bandwidth per GPU), and a small call pays its own bandwidth time again.
-NET_PIPELINE_BYTES_PER_GPU = 2 * 4 * 2**20
+# wire do not overlap: the first ``NET_PIPELINE_BYTES_PER_NIC`` bytes each NIC sends cost about
+# twice. Two channels per NIC (NCCL's default of 2 channels per NIC on multi-node graphs,
+# src/graph/search.cc) × 4 MiB = 8 MiB. The cost saturates: a call of any size pays at most
+# 8 MiB / (one NIC's bandwidth), and a small call pays its own bandwidth time again. NICs per
+# node come from the profile (``inter_node.nics_per_node``; default one per GPU).
+NET_PIPELINE_BYTES_PER_NIC = 2 * 4 * 2**20
 # NCCL tuning.cc llMaxBws[generation][1 node, 2 nodes, > 2 nodes]: the LL protocol's bus
 # bandwidth cap (GB/s), whatever the links (LL spins on 8-byte flag+data words, so its rate is
 # bound by the GPU's polling, not the wire). NCCL 2.19+ values; Ada/CDNA use the Ampere row.
@@ -186,8 +187,9 @@ def collective_choice(op: str, nbytes: int, n: int, nodes: int, gpn_in_group: in
                 lat *= 1.9  # NCCL: "plateau effect of ring"
             t_bw = nbytes * eff_factor / bw
             if multi:
-                nic_gpu = inter.bandwidth_GBps_per_gpu * 1e9 * inter.efficiency
-                t_bw += min(t_bw, NET_PIPELINE_BYTES_PER_GPU / nic_gpu)
+                nics = getattr(inter, "nics_per_node", None) or gpn_all
+                nic_Bps = inter.bandwidth_GBps_per_gpu * 1e9 * inter.efficiency * gpn_all / nics
+                t_bw += min(t_bw, NET_PIPELINE_BYTES_PER_NIC / nic_Bps)
             t = lat * 1e-6 + t_bw
             if best is None or t < best.time_s:
                 best = AlgoChoice(algorithm=algo, protocol=proto, time_s=t, latency_s=lat * 1e-6,

@@ -188,7 +188,7 @@ def test_bench_collectives_outputs_are_atomic(tmp_path, monkeypatch):
     profile.write_bytes(OLD)
     # sizes large enough that time grows with size (the alpha-beta fit refuses a flat sweep)
     args = ["bench", "collectives", "--backend", "gloo", "--nproc", "2", "--ops", "all_reduce", "--min-bytes", "256K",
-            "--max-bytes", "8M", "--factor", "2", "--warmup", "1", "--iters", "3", "--timeout", "60",
+            "--max-bytes", "8M", "--factor", "2", "--warmup", "1", "--iters", "3", "--timeout", "300",
             "--hardware", "dgx-h100", "--save-profile", str(profile), "--output", str(report), "--json"]
     trap = Interrupt(monkeypatch, out, "rename")
     r = runner.invoke(app, args)
@@ -205,7 +205,7 @@ def test_bench_zero_output_is_atomic(tmp_path, monkeypatch):
     report = out / "zero.json"
     report.write_bytes(OLD)
     args = ["bench", "zero", "--model", "llama-2-7b", "--stage", "1", "--nproc", "2", "--backend", "gloo",
-            "--steps", "1", "--timeout", "120", "--output", str(report), "--json"]
+            "--steps", "1", "--timeout", "300", "--output", str(report), "--json"]
     trap = Interrupt(monkeypatch, out, "write")
     _call(_cli(args))
     assert trap.hits >= 1

@@ -28,11 +28,36 @@ BUSBW = {
 ELEM = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+# A bound on hangs, not on speed: these sweeps take 1-4 s on an idle 2-core machine.
+HANG_S = "300"
+
+
 def _run_json(*args: str, env: dict | None = None) -> dict:
     result = runner.invoke(app, ["bench", "collectives", "--json", "--backend", "gloo", "--warmup", "1",
-                                 "--iters", "3", "--timeout", "60", *args], env=env)
+                                 "--iters", "3", "--timeout", HANG_S, *args], env=env)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
+
+
+def _synthetic_times(monkeypatch, alpha_s: float, beta_Bps: float) -> None:
+    """Replace gloo's measured per-rank means by an exact alpha-beta line before aggregation.
+
+    The ranks, the instrumented layer, aggregation, the fit and the profile writer all run for
+    real; only the timings (which a loaded machine makes noisy, even non-monotonic) are fixed.
+    Rank r gets (1 + r/1000) x the line so that the slowest rank (what the report keeps) is known.
+    """
+    import zeroplan.bench.collectives as coll
+
+    real = coll.aggregate
+
+    def aggregate(per_rank, cfg, **kw):
+        for r, pr in enumerate(per_rank):
+            for res in pr["results"]:
+                busbw_bytes = res["size_bytes"] * BUSBW[res["op"]](res["group_size"])
+                res["time_s"] = (alpha_s + busbw_bytes / beta_Bps) * (1 + r / 1000)
+        return real(per_rank, cfg, **kw)
+
+    monkeypatch.setattr(coll, "aggregate", aggregate)
 
 
 def _expected_sizes(min_b: int, max_b: int, factor: int, elem: int, n: int) -> list[int]:
@@ -103,15 +128,40 @@ def test_sweep_busbw_follows_formulas_and_records_are_exact(nproc):
         assert r["count"] * 2 == r["size_bytes"]
 
 
+def test_straggler_rule_on_given_times():
+    """The straggler rule itself, on exact times: time > threshold x median of the ranks."""
+    from zeroplan.bench.collectives import BenchConfig, aggregate
+
+    def rank(r: int, t: float) -> dict:
+        return {"rank": r, "node": 0, "local_rank": r, "hostname": "h", "gpus_per_node": 4,
+                "intra_ranks": [0, 1, 2, 3], "inter_ranks": [r],
+                "results": [{"op": "all_reduce", "size_bytes": 4096, "count": 1024, "group_size": 4, "time_s": t,
+                             "records": {"count": 3, "buffer_bytes": 4096, "consistent": 1}}]}
+
+    cfg = BenchConfig(ops=["all_reduce"], min_bytes=4096, max_bytes=4096, straggler_threshold=1.5)
+    rep = aggregate([rank(0, 1e-3), rank(1, 1.2e-3), rank(2, 1.6e-3), rank(3, 1.7e-3)], cfg,
+                    backend="gloo", launcher="local")
+    # median 1.4 ms: 1.6 and 1.7 ms are below 1.5 x 1.4 = 2.1 ms -> nobody
+    assert rep.results[0].stragglers == [] and rep.stragglers == []
+    rep = aggregate([rank(0, 1e-3), rank(1, 1.2e-3), rank(2, 2.2e-3), rank(3, 1.1e-3)], cfg,
+                    backend="gloo", launcher="local")
+    # median 1.15 ms x 1.5 = 1.725 ms < 2.2 ms -> rank 2 only
+    assert rep.results[0].stragglers == [2]
+    assert [(s["rank"], s["ratio"]) for s in rep.stragglers] == [(2, pytest.approx(2.2 / 1.15))]
+
+
 @pytest.mark.slow
 def test_straggler_is_flagged():
-    env = dict(os.environ, ZEROPLAN_BENCH_DELAY="2:0.02")  # rank 2 completes 20 ms late per call
-    data = _run_json("--nproc", "4", "--ops", "all_reduce,all_gather", "--min-bytes", "1K", "--max-bytes", "4K",
-                     "--factor", "4", env=env)
-    assert len(data["results"]) == 4
+    # Rank 2 completes 0.5 s late per call (ZEROPLAN_BENCH_DELAY sleeps after its timed calls). The
+    # others' 1-4 KiB calls take ~0.1-1 ms idle; they would have to take > 0.33 s each for rank 2
+    # not to exceed 1.5x the median, so the flag does not depend on how busy the machine is.
+    env = dict(os.environ, ZEROPLAN_BENCH_DELAY="2:0.5")
+    data = _run_json("--nproc", "4", "--ops", "all_reduce", "--min-bytes", "1K", "--max-bytes", "4K",
+                     "--factor", "4", "--iters", "1", "--warmup", "0", env=env)
+    assert len(data["results"]) == 2
     for r in data["results"]:
+        assert r["rank_time_s"][2] >= 0.5  # the injected delay is in the measured time
         assert 2 in r["stragglers"]
-        assert r["rank_time_s"][2] > 1.5 * sorted(r["rank_time_s"])[1]
     assert {s["rank"] for s in data["stragglers"]} >= {2}
 
 
@@ -174,7 +224,10 @@ overhead = "test"
 
 
 @pytest.mark.slow
-def test_save_profile_writes_measured_link_and_output_json(tmp_path):
+def test_save_profile_writes_measured_link_and_output_json(tmp_path, monkeypatch):
+    """The whole CLI path on real gloo ranks, with the timings replaced by an exact line
+    (15 us + busbw bytes / 2.5 GB/s): the fit must recover it and the profile must store it."""
+    _synthetic_times(monkeypatch, 15e-6, 2.5e9)
     base = tmp_path / "base.toml"
     base.write_text(_BASE_PROFILE)
     prof = tmp_path / "measured.toml"
@@ -182,11 +235,17 @@ def test_save_profile_writes_measured_link_and_output_json(tmp_path):
     data = _run_json("--nproc", "2", "--ops", "all_reduce,all_gather", "--min-bytes", "4K", "--max-bytes", "1M",
                      "--factor", "4", "--save-profile", str(prof), "--hardware", str(base), "--output", str(out))
     assert json.loads(out.read_text()) == data
+    assert data["profile"] == str(prof)
     saved = tomllib.loads(prof.read_text())
     link = saved["intra_node"]  # one node -> the sweep measured the intra-node tier
     assert link["efficiency"] == 1.0
     fit = data["fit"]["intra_node"]
+    # slowest rank = rank 1 = 1.001 x the line: alpha and 1/beta both scale by 1.001
+    assert math.isclose(fit["latency_us"], 15.0 * 1.001, rel_tol=1e-6)
+    assert math.isclose(fit["bandwidth_GBps"], 2.5 / 1.001, rel_tol=1e-6)
+    assert fit["r2"] > 0.999999
     assert math.isclose(link["bandwidth_GBps_per_gpu"], fit["bandwidth_GBps"], rel_tol=1e-6)
+    assert math.isclose(link["latency_us"], fit["latency_us"], rel_tol=1e-6)
     assert saved["inter_node"]["bandwidth_GBps_per_gpu"] == 50.0  # untouched tier
     assert saved["gpu"]["memory_bytes"] == 85899345920
     assert saved["name"] == "test-node-measured"
@@ -195,6 +254,39 @@ def test_save_profile_writes_measured_link_and_output_json(tmp_path):
     for r in data["results"]:
         pred = fit["latency_us"] * 1e-6 + r["size_bytes"] * r["busbw_factor"] / (fit["bandwidth_GBps"] * 1e9)
         assert abs(pred - r["time_s"]) / r["time_s"] <= fit["max_rel_error"] + 1e-9
+
+
+@pytest.mark.slow
+def test_save_profile_on_times_that_do_not_grow_warns_and_writes_no_profile(tmp_path, monkeypatch):
+    """A loaded machine can make small messages slower than large ones: the sweep is still
+    reported (exit 0, JSON and --output), the profile is not written, and one warning says why."""
+    import zeroplan.bench.collectives as coll
+
+    real = coll.aggregate
+
+    def shrinking(per_rank, cfg, **kw):
+        for pr in per_rank:
+            for res in pr["results"]:
+                res["time_s"] = 1.0 / res["size_bytes"]  # time falls as the size grows
+        return real(per_rank, cfg, **kw)
+
+    monkeypatch.setattr(coll, "aggregate", shrinking)
+    base = tmp_path / "base.toml"
+    base.write_text(_BASE_PROFILE)
+    prof, out = tmp_path / "measured.toml", tmp_path / "sweep.json"
+    result = runner.invoke(app, ["bench", "collectives", "--json", "--backend", "gloo", "--nproc", "2", "--ops",
+                                 "all_reduce", "--min-bytes", "4K", "--max-bytes", "64K", "--factor", "4", "--warmup",
+                                 "0", "--iters", "1", "--timeout", HANG_S, "--save-profile", str(prof), "--hardware",
+                                 str(base), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["fit"] == {} and data["profile"] is None
+    assert json.loads(out.read_text()) == data
+    assert not prof.exists()
+    warnings = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: --save-profile:"), result.stderr
+    assert "does not grow" in warnings[0] and "no profile written" in warnings[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.toml", "sweep.json"]  # no temporary file
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -221,7 +313,7 @@ def test_bad_input_exits_2_with_one_line(args, needle):
 def test_rank_failure_exits_1_naming_the_rank():
     env = dict(os.environ, ZEROPLAN_BENCH_DELAY="1:notanumber")
     result = runner.invoke(app, ["bench", "collectives", "--backend", "gloo", "--nproc", "2", "--max-bytes", "1K",
-                                 "--timeout", "30"], env=env)
+                                 "--timeout", HANG_S], env=env)
     assert result.exit_code == 1, result.output
     assert "rank" in result.output and "ValueError" in result.output
 

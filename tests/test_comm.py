@@ -44,7 +44,7 @@ def _all_ops(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_compute_and_record_exactly(world):
-    out = spawn(_all_ops, world, timeout_s=60)
+    out = spawn(_all_ops, world, timeout_s=300)
     k = 3
     total = world * (world + 1) / 2
     for rank, res in enumerate(out):
@@ -101,7 +101,7 @@ def _mismatch(rank: int, world: int) -> list[str]:
 
 
 def test_validation_raises_before_issuing():
-    out = spawn(_mismatch, 2, timeout_s=60)
+    out = spawn(_mismatch, 2, timeout_s=300)
     for errs in out:
         assert "no error" not in errs
         assert "expected world_size 2 x input 3 = 6" in errs[0]
@@ -128,7 +128,7 @@ def _grouped(rank: int, world: int) -> dict:
 
 
 def test_node_groups_and_group_kinds():
-    out = spawn(_grouped, 4, timeout_s=60)
+    out = spawn(_grouped, 4, timeout_s=300)
     for rank, res in enumerate(out):
         node, local = divmod(rank, 2)
         assert res["intra_ranks"] == [2 * node, 2 * node + 1]

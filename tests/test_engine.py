@@ -194,7 +194,7 @@ def _launch(spec, n, runs):
     from zeroplan.runtime.launch import spawn
 
     _preload_dispatch()
-    return spawn(_run, n, args=(spec, runs), timeout_s=240)
+    return spawn(_run, n, args=(spec, runs), timeout_s=600)  # a hang bound: 2-30 s idle, 3x that under load
 
 
 def _cfg(stage, precision, g=2, comm_model="deepspeed", **zero):

@@ -83,7 +83,7 @@ class Command:
             self.proc = subprocess.Popen([sys.executable, "-m", "zeroplan", *args], stdout=o, stderr=e,
                                          env={**os.environ, **(env or {})}, start_new_session=True, cwd=tmp)
 
-    def ranks(self, n: int, timeout: float = 60) -> list[int]:
+    def ranks(self, n: int, timeout: float = 300) -> list[int]:
         """Wait until the command has started ``n`` rank processes; return their pids."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -118,7 +118,7 @@ class Command:
     def stdout(self) -> str:
         return self.out.read_text(errors="replace")
 
-    def assert_no_survivors(self, grace: float = 10.0) -> None:
+    def assert_no_survivors(self, grace: float = 60.0) -> None:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             left = [p for p in self.seen | {self.proc.pid} if alive(p)]
@@ -153,6 +153,12 @@ def no_files_but(d: Path, allowed: set[str]) -> None:
     assert {p.name for p in d.iterdir()} <= allowed, sorted(p.name for p in d.iterdir())
 
 
+# Bounds on waiting, not assertions on speed. Measured on an idle 2-core machine, each command
+# below ends 0.1-1.5 s after its fault (2-7 s with its timeout of 6 s) and each command starts its
+# ranks within 3 s; under two CPU burners plus other users, 2-4x that. The bounds are >= 10x the
+# loaded figures: a command that really hangs still fails the test, a slow machine does not.
+HANG_S = 180
+
 # A sweep that lasts tens of seconds unless interrupted: rank 0 completes 20 ms late per call.
 LONG_SWEEP = ["bench", "collectives", "--backend", "gloo", "--nproc", "3", "--ops", "all_reduce,all_gather",
               "--min-bytes", "1K", "--max-bytes", "16M", "--warmup", "1", "--iters", "40", "--timeout", "120",
@@ -169,7 +175,7 @@ def test_collectives_rank_killed_mid_sweep(tmp_path):
         ranks = cmd.ranks(3)
         cmd.watch(1.5)  # inside the sweep
         os.kill(ranks[-1], signal.SIGKILL)
-        rc, took = cmd.wait(60)
+        rc, took = cmd.wait(HANG_S)
         err = one_error_line(cmd.stderr())
         assert rc == 1, err
         assert "died with SIGKILL" in err and "rank" in err
@@ -189,7 +195,7 @@ def test_collectives_stalled_rank_hits_the_timeout(tmp_path):
     try:
         ranks = cmd.ranks(2)
         os.kill(ranks[0], signal.SIGSTOP)
-        rc, took = cmd.wait(45)
+        rc, took = cmd.wait(HANG_S)
         err = one_error_line(cmd.stderr())
         assert rc == 1, err
         assert "rank" in err and "6 s" in err
@@ -206,7 +212,7 @@ def test_collectives_ctrl_c_stops_every_rank(tmp_path):
         cmd.ranks(3)
         cmd.watch(1.0)
         os.killpg(cmd.proc.pid, signal.SIGINT)  # our own session, started by this test
-        rc, took = cmd.wait(30)
+        rc, took = cmd.wait(HANG_S)
         assert rc == 130, cmd.stderr()[-2000:]  # 128 + SIGINT, the shell convention
         text = cmd.stderr()
         assert "Traceback" not in text and len([ln for ln in text.splitlines() if ln.strip()]) <= 1, text[-2000:]
@@ -224,8 +230,8 @@ def test_collectives_launcher_killed_leaves_no_orphan_ranks(tmp_path):
         cmd.ranks(3)
         cmd.watch(1.0)
         os.kill(cmd.proc.pid, signal.SIGKILL)
-        cmd.wait(10)
-        cmd.assert_no_survivors(grace=10)
+        cmd.wait(HANG_S)
+        cmd.assert_no_survivors()
         no_files_but(tmp_path, LOGS)
     finally:
         cmd.cleanup()
@@ -243,7 +249,7 @@ def test_zero_rank_killed_mid_step(tmp_path):
         ranks = cmd.ranks(2)
         cmd.watch(3.0)  # model built, steps running
         os.kill(ranks[1], signal.SIGKILL)
-        rc, took = cmd.wait(60)
+        rc, took = cmd.wait(HANG_S)
         assert rc == 1, cmd.stderr()[-2000:]
         text = cmd.stderr() + cmd.stdout()
         assert "Traceback" not in text
@@ -262,7 +268,7 @@ def test_zero_stalled_rank_hits_the_timeout(tmp_path):
         ranks = cmd.ranks(2)
         cmd.watch(2.0)
         os.kill(ranks[0], signal.SIGSTOP)
-        rc, took = cmd.wait(60)
+        rc, took = cmd.wait(HANG_S)
         assert rc == 1, cmd.stderr()[-2000:]
         text = cmd.stderr() + cmd.stdout()
         assert "Traceback" not in text and "rank" in text and "6 s" in text
@@ -282,7 +288,7 @@ def test_zero_port_in_use_under_torchrun_environment(tmp_path):
     cmd = Command(["bench", "zero", "--model", "llama-2-7b", "--stage", "1", "--steps", "1", "--backend", "gloo",
                    "--timeout", "20", "--output", "zero.json", "--json"], tmp_path, env)
     try:
-        rc, took = cmd.wait(90)
+        rc, took = cmd.wait(HANG_S)
     finally:
         holder.close()
         cmd.cleanup()

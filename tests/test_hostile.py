@@ -28,6 +28,9 @@ from zeroplan.cli import app
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parent.parent
+# A bound on hangs for subprocess runs, not a speed goal: each ends in 1-2 s on an idle 2-core machine
+# (python startup included), several times that under load; unbounded work never ends at all.
+HANG_S = 120
 GOOD_TOML = (REPO / "hardware_profiles" / "dgx-h100.toml").read_text(encoding="utf-8")
 TINYLLAMA = json.loads((REPO / "examples" / "models" / "tinyllama-1.1b" / "config.json").read_text())
 TINYLLAMA_PARAMS = 1_100_048_384  # published: TinyLlama/TinyLlama-1.1B model card / safetensors total
@@ -256,9 +259,9 @@ def test_model_config_absurd_layer_count_is_rejected_quickly(tmp_path):
     path.write_text(json.dumps(_llama(num_hidden_layers=1_000_000_000)))
     try:
         proc = subprocess.run([sys.executable, "-m", "zeroplan", "estimate", "--model", str(path), "--gpus", "8",
-                               "--json"], capture_output=True, text=True, timeout=5)
-    except subprocess.TimeoutExpired:
-        pytest.fail("estimate did not finish within 5 s")
+                               "--json"], capture_output=True, text=True, timeout=HANG_S)
+    except subprocess.TimeoutExpired:  # unbounded work (a loop over 1e9 layers) never ends: no speed assertion
+        pytest.fail(f"estimate did not finish within {HANG_S} s")
     assert proc.returncode == 2 and "num_hidden_layers" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -514,9 +517,9 @@ def test_check_deeply_nested_config_is_rejected_quickly(tmp_path):
     p.write_text(_deep_json(100_000))
     try:
         proc = subprocess.run([sys.executable, "-m", "zeroplan", "check", str(p), "--model", "llama-2-7b",
-                               "--hardware", "dgx-h100", "--gpus", "8"], capture_output=True, text=True, timeout=5)
-    except subprocess.TimeoutExpired:
-        pytest.fail("check did not finish within 5 s")
+                               "--hardware", "dgx-h100", "--gpus", "8"], capture_output=True, text=True, timeout=HANG_S)
+    except subprocess.TimeoutExpired:  # unbounded work never ends: no speed assertion
+        pytest.fail(f"check did not finish within {HANG_S} s")
     assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr
 
 

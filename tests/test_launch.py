@@ -19,6 +19,10 @@ from zeroplan.runtime.launch import RankError, node_layout, spawn  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+# A bound on waiting, not on speed: these runs end in 0.5-3.5 s on an idle 2-core machine (2-4x that
+# under two CPU burners); a run that really hangs fails at HANG_S, a slow machine does not.
+HANG_S = 180
+
 
 def _pid_alive(pid: int) -> bool:
     try:
@@ -49,7 +53,7 @@ def _ok(rank: int, world: int, pid_dir: str) -> dict:
 
 
 def test_results_in_rank_order_and_children_gone(tmp_path):
-    out = spawn(_ok, 3, args=(str(tmp_path),), timeout_s=60)
+    out = spawn(_ok, 3, args=(str(tmp_path),), timeout_s=HANG_S)
     assert [r["rank"] for r in out] == [0, 1, 2]
     assert all(r["world"] == 3 and r["sum"] == 3.0 and r["threads"] == 1 for r in out)
     assert [r["env_rank"] for r in out] == ["0", "1", "2"]
@@ -67,11 +71,11 @@ def _raises(rank: int, world: int, pid_dir: str) -> int:
 
 
 def test_rank_that_raises_is_named(tmp_path):
-    t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        spawn(_raises, 2, args=(str(tmp_path),), timeout_s=60)
-    assert time.monotonic() - t0 < 30
+        spawn(_raises, 2, args=(str(tmp_path),), timeout_s=HANG_S)
     err = info.value
+    # ended by the failure, not by the timeout (no wall-clock bound: CI is a loaded machine)
+    assert not [f for f in err.failures if f.kind == "timeout"], str(err)
     assert str(err).startswith("rank 1 raised ValueError: bad shard size 7")
     assert err.failures[0].rank == 1 and err.failures[0].kind == "error"
     assert not any(_pid_alive(p) for p in _pids(tmp_path))
@@ -90,7 +94,7 @@ def _killed(rank: int, world: int, pid_dir: str) -> int:
 
 def test_rank_killed_mid_step_is_named(tmp_path):
     with pytest.raises(RankError) as info:
-        spawn(_killed, 2, args=(str(tmp_path),), timeout_s=60)
+        spawn(_killed, 2, args=(str(tmp_path),), timeout_s=HANG_S)
     err = info.value
     assert err.failures[0].rank == 1 and err.failures[0].kind == "died"
     assert "SIGKILL" in str(err)
@@ -107,7 +111,7 @@ def _exits(rank: int, world: int, pid_dir: str) -> int:
 
 def test_rank_exit_code_is_named(tmp_path):
     with pytest.raises(RankError) as info:
-        spawn(_exits, 2, args=(str(tmp_path),), timeout_s=60)
+        spawn(_exits, 2, args=(str(tmp_path),), timeout_s=HANG_S)
     assert info.value.failures[0].rank == 0
     assert "exit code 3" in str(info.value)
     assert not any(_pid_alive(p) for p in _pids(tmp_path))
@@ -125,9 +129,12 @@ def test_stalled_rank_times_out_and_is_named(tmp_path):
     with pytest.raises(RankError) as info:
         spawn(_stalls, 3, args=(str(tmp_path),), timeout_s=3)
     elapsed = time.monotonic() - t0
-    assert elapsed < 20  # bounded: timeout + kill, not the hour the rank would sleep
+    assert elapsed < HANG_S  # bounded by the timeout + kill, not by the hour the rank would sleep
     err = info.value
-    assert [f.rank for f in err.failures if f.kind == "timeout"] == [2]
+    # rank 2 sleeps an hour: it times out on any machine. On a loaded one, ranks 0 and 1 may still
+    # be in the rendezvous at 3 s and time out too, so only rank 2's presence is asserted.
+    assert 2 in [f.rank for f in err.failures if f.kind == "timeout"]
+    assert all(f.kind == "timeout" for f in err.failures), str(err)
     assert "rank 2" in str(err) and "3 s" in str(err)
     assert not any(_pid_alive(p) for p in _pids(tmp_path))
 
@@ -174,7 +181,7 @@ def test_torchrun_path_port_in_use_is_a_clear_error():
         proc = subprocess.run(
             [sys.executable, "-m", "zeroplan", "bench", "collectives", "--json", "--ops", "all_reduce",
              "--max-bytes", "1K", "--backend", "gloo", "--timeout", "10"],
-            env=env, capture_output=True, text=True, timeout=120,
+            env=env, capture_output=True, text=True, timeout=HANG_S,
         )
     finally:
         holder.close()

@@ -149,7 +149,8 @@ MEMORY_BYTES = {
     "dgx-h100": 81559 * MiB, "aws-p5": 81559 * MiB, "gcp-a3": 81559 * MiB, "azure-nd-h100-v5": 81559 * MiB,
     "h100-8x-100gbe": 81559 * MiB, "h100-8x-ib400": 81559 * MiB, "hgx-h200": 143771 * MiB,
     "gh200": 97871 * MiB, "l40s-8x-pcie-100gbe": 46068 * MiB, "aws-g5-48xlarge": 23028 * MiB,
-    "rtx4090-8x-workstation": 24564 * MiB, "dgx-1-v100": 32768 * MiB, "mi300x-8x": 205822885888,
+    "rtx4090-8x-workstation": 24564 * MiB, "dgx-1-v100": 32480 * MiB,  # nvidia-smi on a V100-SXM2-32GB (issue 13)
+    "mi300x-8x": 205822885888,
 }
 # Marketing capacity in "GB" for the same GPUs (first matching key wins): the device total must be close to it.
 NOMINAL_GB = {"GH200": 96, "A100 SXM4 40GB": 40, "A100 SXM4 80GB": 80, "H100": 80, "H200": 141, "L40S": 48,

@@ -26,7 +26,7 @@ BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="no chromium / chromium-browser binary on PATH")
 
 WIDTH, HEIGHT = 1200, 1600
-TIMEOUT_S = 60
+TIMEOUT_S = 300  # a bound on hangs: chromium takes 1-3 s idle, several times that on a loaded 2-core machine
 PARAMS_RGB = (0x4E, 0x79, 0xA7)  # the parameters colour of the memory chart (zeroplan.report.charts)
 
 

@@ -106,6 +106,7 @@ _COMMAND_MODULES = (
     "recommend",
     "check",
     "bench",
+    "validate",
     "profiles",
     "models",
     "detect",

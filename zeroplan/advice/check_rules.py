@@ -61,7 +61,7 @@ def capacity_rules(ctx: AdviceContext, plan: Plan, add: Add, gpu: str) -> None:
     if stage == 3:
         ov = hw.overhead
         frac = float(ov.fragmentation_fraction)
-        fixed = int(ov.cuda_context_bytes) + int(ov.nccl_bytes)
+        fixed = int(ov.cuda_context_bytes) + int(ov.nccl_bytes) * mem.communicators
         for phase in ("forward", "backward"):
             g = mem.buffers_detail.get(f"gathered_params_{phase}", 0)
             if not g:

@@ -87,7 +87,8 @@ def stage_summaries(sw: _Sweep, inp: Any, stages: list[int], found: SearchResult
         _, lc, lst = found.leanest[s]
         lzero = sw.zero(s, lst.key)
         lmem = memory_for_stage(inp.spec, sw.training(lc.micro_batch, lc.checkpointing), lzero, inp.n_gpus,
-                                gpus_per_node=inp.gpus_per_node, overhead=sw.overhead, layout=sw.layout(lzero))
+                                gpus_per_node=inp.gpus_per_node, overhead=sw.overhead, layout=sw.layout(lzero),
+                                flavour=sw.comm_model)
         dom, dom_bytes = _dominant(lmem, s, sw.training(lc.micro_batch, lc.checkpointing))
         stage_fit = [c for c in fit if c.stage == s]
         summaries.append(StageSummary(

@@ -165,7 +165,8 @@ def nodes_needed(inp: Any, base_zeros: dict[int, Any], stage: int, *, usable_gpu
         n = nodes * gpn
         lay = build_layout(inp.spec, n, persistence_threshold=int(zero.param_persistence_threshold) if stage == 3 else 0,
                            model_persistence_threshold=zero.model_persistence_threshold)
-        mem = memory_for_stage(inp.spec, training, zero, n, gpus_per_node=gpn, overhead=overhead, layout=lay)
+        mem = memory_for_stage(inp.spec, training, zero, n, gpus_per_node=gpn, overhead=overhead, layout=lay,
+                               flavour=comm_model)
         return mem.peak <= usable_gpu and mem.host.per_node_bytes <= usable_host
 
     lo = inp.nodes

@@ -18,6 +18,7 @@ from typing import Any
 
 from zeroplan.advice.recommend_models import CKPT_ORDER, candidate_zero
 from zeroplan.core.activations import activation_memory
+from zeroplan.core.allocator import communicators, reserved_bytes
 from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
 from zeroplan.core.layout import build_layout
 from zeroplan.core.memory import memory_for_stage
@@ -42,6 +43,8 @@ class _State:
     nvme_per_node: int
     deviation: int  # how many searched keys differ from the base config
     key: tuple = ()
+    side: tuple[int, ...] = (0, 0, 0, 0, 0)  # side-stream pools (all-gather fwd/bwd, reduce-scatter, reduction), step blocks
+    communicators: int = 2
 
 
 def _entry_key(e: Any) -> tuple:
@@ -86,14 +89,20 @@ class _Family:
             self.direct_evals += 1
             zero = self.sw.zero(self.stage, point)
             m = memory_for_stage(self.sw.spec, self.sw.ref_training, zero, self.sw.n, gpus_per_node=self.sw.gpn,
-                                 overhead=self.sw.overhead, layout=self.sw.layout(zero))
+                                 overhead=self.sw.overhead, layout=self.sw.layout(zero), flavour=self.sw.comm_model)
             f = m.phases["forward"].by_category
             b = m.phases["backward"].by_category
             st = m.phases["step"].by_category
             common = b["params"] + b["optimizer_states"] + b["buffers"]
             self._mem[point] = (f["params"] + f["gradients"] + f["optimizer_states"] + f["buffers"],
                                 common + f["gradients"], common + st["gradients"], sum(st.values()),
-                                m.host.per_node_bytes, m.host.nvme_per_node_bytes)
+                                m.host.per_node_bytes, m.host.nvme_per_node_bytes,
+                                m.buffers_detail.get("gathered_params_forward", 0),
+                                m.buffers_detail.get("gathered_params_backward", 0),
+                                m.buffers_detail.get("reduce_scatter_temp", 0) if self.stage == 3 else 0,
+                                m.buffers_detail.get("allreduce_flatten", 0)
+                                if self.stage in (1, 2) and zero.overlap_comm else 0,
+                                m.step_transient_bytes)
         return self._mem[point]
 
     def _mem_composed(self, point: tuple) -> tuple:
@@ -213,7 +222,7 @@ class _Sweep:
 
     def state(self, stage: int, point: tuple) -> _State:
         fam = self.families[stage]
-        fwd, bs, be, stp, host, nvme = fam.memory(point)
+        fwd, bs, be, stp, host, nvme, *side = fam.memory(point)
         (oo, op), rbs, pf, hpz = point
         bz = self.base_zeros[stage]
         dev = int(rbs != bz.reduce_bucket_size)
@@ -221,14 +230,23 @@ class _Sweep:
             dev += int(pf != bz.prefetch_bucket_size) + int(hpz != bz.zero_hpz_partition_size)
         dev += int(oo != bz.optimizer_offload_device) + int(op != bz.param_offload_device)
         return _State(stage=stage, off_opt=oo, off_par=op, rbs=rbs, prefetch=pf, hpz=hpz, zero=None,
-                      na=(fwd, bs, be, stp), host_per_node=host, nvme_per_node=nvme, deviation=dev, key=point)
+                      na=(fwd, bs, be, stp), host_per_node=host, nvme_per_node=nvme, deviation=dev, key=point,
+                      side=tuple(side), communicators=communicators(self.zero(stage, point), stage, self.n))
 
     def peak(self, s: _State, mb: int, ckpt: str) -> int:
-        """Exactly core.memory's peak: max over phases of the live bytes, plus the overhead allowance."""
+        """Exactly core.memory's peak: the caching allocator's pools over the phases' live bytes
+        (core/allocator.py), plus the CUDA context and NCCL per communicator."""
         fwd, bs, be, stp = s.na
-        live = max(fwd + mb * self.act_fwd[ckpt], bs + mb * self.act_bwd[ckpt], be, stp)
+        ag_f, ag_b, rs, red, step_transient = s.side
+        live = {"forward": fwd + mb * self.act_fwd[ckpt], "backward": max(bs + mb * self.act_bwd[ckpt], be),
+                "step": stp}
+        pools = {"allgather": {"forward": ag_f, "backward": ag_b}, "reduce_scatter": {"backward": rs},
+                 "reduction": {"backward": red}}
         o = self.overhead
-        return live + int(float(o["fragmentation_fraction"]) * live) + int(o["cuda_context_bytes"]) + int(o["nccl_bytes"])
+        _, reserved, _ = reserved_bytes(live, pools, fragmentation_fraction=float(o["fragmentation_fraction"]),
+                                        expandable_segments=self.inp.training.expandable_segments,
+                                        step_transient=step_transient)
+        return reserved + int(o["cuda_context_bytes"]) + int(o["nccl_bytes"]) * s.communicators
 
     def ledger(self, s: _State) -> Any:
         """The state's collective ledger (independent of micro-batch and checkpointing), for estimate_time."""

@@ -47,7 +47,14 @@ __all__ = [
     "run_collectives",
     "fit_tiers",
     "save_profile_from_report",
+    "add_predictions",
+    "measured_link_name",
+    "R2_WARN_BELOW",
 ]
+
+# A fit below this R² does not describe the link: --save-profile still writes it (the data
+# are what they are) but warns, in the output and in the profile's sources.
+R2_WARN_BELOW = 0.9
 
 BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce")
 DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -91,6 +98,8 @@ class SizeResult(BaseModel):
     max_s: float
     stragglers: list[int]
     records: dict[str, int] = Field(description="instrumented-layer records on rank 0: count, buffer_bytes")
+    predicted_time_s: float | None = Field(None, description="core/timing.collective_time_s on --hardware")
+    predicted_busbw_GBps: float | None = Field(None, description="size × busbw_factor / predicted time, 1e9 B/s")
 
 
 class CollectivesReport(BaseModel):
@@ -109,7 +118,8 @@ class CollectivesReport(BaseModel):
     results: list[SizeResult]
     stragglers: list[dict[str, Any]]
     profile: str | None = None
-    fit: dict[str, dict[str, float]] = Field(default_factory=dict)
+    hardware: str | None = Field(None, description="the profile the predicted columns are computed on")
+    fit: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ inputs
@@ -361,6 +371,32 @@ def _check_groups(cfg: BenchConfig, world: int, gpus_per_node: int) -> None:
         raise InputError(f"--group intra: needs at least 2 ranks per node, got {gpus_per_node}")
 
 
+# ------------------------------------------------------------------ prediction
+def add_predictions(report: CollectivesReport, hw: Any) -> None:
+    """Fill ``predicted_time_s`` / ``predicted_busbw_GBps`` of every row from the planner's
+    collective time model (``core.timing.collective_time_s``) on profile ``hw``, for the same
+    op, full-buffer size, group and layout (``world_size`` ranks, ``gpus_per_node`` per node)."""
+    from zeroplan.core.comm import LedgerEntry
+    from zeroplan.core.timing import collective_time_s
+
+    report.hardware = hw.name
+    for r in report.results:
+        e = LedgerEntry(op=r.op, phase="step", what="bench collectives", buffer_bytes=r.size_bytes, count=1,
+                        dtype=r.dtype, group=r.group, group_size=r.group_size, overlap=False,
+                        sent_bytes_per_call=0, sent_bytes=0)
+        t = collective_time_s(e, hw, report.world_size, report.gpus_per_node)
+        r.predicted_time_s = t
+        r.predicted_busbw_GBps = r.size_bytes * r.busbw_factor / t / 1e9 if t > 0 else None
+
+
+def measured_link_name(report: CollectivesReport) -> str:
+    """The link tier's name in a saved profile: what was measured, not the base profile's link."""
+    hosts = sorted({str(r.get("hostname", "?")) for r in report.ranks})
+    where = hosts[0] if len(hosts) == 1 else f"{len(hosts)} hosts"
+    return (f"measured {report.backend} {report.group}, {report.nodes} node(s) x {report.gpus_per_node} "
+            f"on {where}")
+
+
 # ------------------------------------------------------------------ calibration
 def fit_tiers(report: CollectivesReport) -> dict[str, Any]:
     """α–β fit over the sweep for the link tier the measured group exercised.
@@ -380,7 +416,7 @@ def fit_tiers(report: CollectivesReport) -> dict[str, Any]:
     return {tier: fit_alpha_beta(points)}
 
 
-def save_profile_from_report(report: CollectivesReport, path: str, hardware: str | None) -> dict[str, dict[str, float]]:
+def save_profile_from_report(report: CollectivesReport, path: str, hardware: str | None) -> dict[str, dict[str, Any]]:
     """Write a hardware-profile TOML: the fitted link tier(s) from the sweep, every other field
     (and its source) from the ``hardware`` base profile. Returns the fit per tier."""
     from zeroplan.specs import hardware as hw
@@ -407,14 +443,23 @@ def save_profile_from_report(report: CollectivesReport, path: str, hardware: str
             bw = f.bandwidth_GBps / max(1, report.gpus_per_node)
             per_gpu_note = f"; busbw {f.bandwidth_GBps:.4g} GB/s over whole nodes / {report.gpus_per_node} GPUs per node"
         updates[tier] = getattr(base, tier).model_copy(update={
-            "bandwidth_GBps_per_gpu": bw, "latency_us": latency_us, "efficiency": 1.0,
+            "name": measured_link_name(report), "bandwidth_GBps_per_gpu": bw, "latency_us": latency_us,
+            "efficiency": 1.0,
         })
-        sources[f"{tier}.bandwidth_GBps_per_gpu"] = f"{note} (R^2 {f.r2:.3f}){per_gpu_note}"
+        warning = None
+        if not f.r2 >= R2_WARN_BELOW:
+            warning = (f"poor alpha-beta fit for {tier}: R^2 {f.r2:.3f} < {R2_WARN_BELOW} (max relative error "
+                       f"{f.max_rel_error:.0%}); the times do not follow t = alpha + bytes/beta, so the fitted "
+                       "link may not predict this network: rerun with more --iters, on an idle machine, or a "
+                       "wider size range")
+        sources[f"{tier}.bandwidth_GBps_per_gpu"] = (f"{note} (R^2 {f.r2:.3f}){per_gpu_note}"
+                                                     + (f"; WARNING {warning}" if warning else ""))
         sources[f"{tier}.latency_us"] = note + ("" if latency_us == f.latency_us else
                                                 f" (fitted {f.latency_us:.3g} us, clamped to the schema's 0.1 us .. 10 ms)")
         sources[f"{tier}.efficiency"] = f"{note}: 1.0 because the bandwidth is the measured bus bandwidth"
         out[tier] = {"latency_us": latency_us, "bandwidth_GBps": bw, "r2": f.r2,
-                     "points": f.points, "max_rel_error": f.max_rel_error}
+                     "points": f.points, "max_rel_error": f.max_rel_error, "link_name": measured_link_name(report),
+                     "warning": warning}
     updates["sources"] = sources
     updates["name"] = f"{base.name}-measured"
     updates["description"] = f"{base.description} — link tier(s) {', '.join(fits)} {note}"

@@ -15,8 +15,12 @@ Conventions:
   module call), ``backward`` (``engine.backward``), ``step`` (``engine.step``).
 - Memory values are bytes per rank (CPU tensor storages, each storage counted once).
 
-DeepSpeed runs on CPU: ``DS_ACCELERATOR=cpu``, gloo, a plain ``torch.optim.AdamW`` with
-``zero_force_ds_cpu_optimizer: false``. The shared-memory comm op DeepSpeed would otherwise
+Device (``select_device``): CUDA with NCCL when CUDA is available and has at least ``nproc``
+GPUs (``DS_ACCELERATOR=cuda``, rank r on ``cuda:r``; the config's ``optimizer`` block is kept,
+so DeepSpeed builds its FusedAdam as it would for the user; without one, a client torch
+AdamW); else CPU: ``DS_ACCELERATOR=cpu``, gloo, a plain ``torch.optim.AdamW`` with
+``zero_force_ds_cpu_optimizer: false``. On CUDA every rank also reports
+``max_memory_allocated`` / ``max_memory_reserved`` over the measured steps. The shared-memory comm op DeepSpeed would otherwise
 JIT-compile at ``init_distributed`` (60-70 s on first use, only used for inference
 all-reduce) is switched off by marking it incompatible in ``deepspeed.ops.__compatible_ops__``
 before the backend starts (see ``_disable_shm_comm_op``).
@@ -382,6 +386,30 @@ def _memory_by_category(storages: dict[str, dict]) -> dict[str, int]:
 # The model: the bundled runtime's builder, so DeepSpeed trains exactly the spec's tensors
 
 
+def select_device(nproc: int, device: str = "auto", *, cuda: Any = None) -> tuple[str, str]:
+    """(device type, process-group backend) for a DeepSpeed run of ``nproc`` local ranks.
+
+    "auto": ("cuda", "nccl") when CUDA is available with at least ``nproc`` devices (one GPU
+    per rank, never shared); ("cpu", "gloo") when no CUDA device is visible; CUDA with fewer
+    GPUs than ranks (or "cuda" without CUDA) is an ``InputError``. ``cuda``: the ``torch.cuda`` module (a stand-in in tests). The launch uses
+    the spawn start method, so probing CUDA here cannot poison the ranks.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise InputError(f"--device {device!r}: expected auto, cpu or cuda")
+    if device == "cpu":
+        return "cpu", "gloo"
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
+    count = int(cuda.device_count()) if cuda.is_available() else 0
+    if count >= nproc:
+        return "cuda", "nccl"
+    if count or device == "cuda":  # never two ranks on one GPU
+        raise InputError(f"--nproc {nproc}: DeepSpeed on CUDA needs one GPU per rank, this machine has {count}")
+    return "cpu", "gloo"
+
+
 def _build_model(spec):
     """``zeroplan.runtime.model.build_model`` in fp32 on CPU (DeepSpeed casts to bf16/fp16 itself)."""
     from zeroplan.runtime.model import build_model
@@ -443,9 +471,14 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
         tensors.append({"name": name, "shape": list(p.shape), "numel": int(p.numel()),
                         "tied": id(p) in seen})
         seen.add(id(p))
-    opt = torch.optim.AdamW(model.parameters(), **job.get("adamw", {"lr": 1e-3, "weight_decay": 0.0}))
+    cuda = job.get("device") == "cuda"
+    if cuda and "optimizer" in cfg:  # DeepSpeed builds the config's optimizer (FusedAdam on CUDA)
+        opt = None
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **job.get("adamw", {"lr": 1e-3, "weight_decay": 0.0}))
     rec.enabled = True
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    dev = engine.device if cuda else torch.device("cpu")
     init_records = rec.records
     opt_class = type(engine.optimizer).__name__
     rec.records = []
@@ -472,11 +505,14 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
     engine.optimizer.step = step_with_snapshot
 
     for step in range(steps):
+        if cuda and step == job.get("memory_from_step", 0):
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
         if getattr(ds_comm, "comms_logger", None) is not None:
             ds_comm.comms_logger.comms_dict.clear()
         for micro in range(gas):
             rec.step, rec.micro = step, micro
-            ids = torch.randint(0, vocab, (mb, seq), generator=gen)
+            ids = torch.randint(0, vocab, (mb, seq), generator=gen).to(dev)
             rec.phase = "forward"
             loss = engine(ids)  # the runtime model returns the mean causal-LM loss
             rec.phase = "backward"
@@ -497,6 +533,12 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
             storages = _collect_storages(engine)
             memory_after[step] = {"by_category": _memory_by_category(storages), "storages": storages}
 
+    cuda_memory = None
+    if cuda:
+        torch.cuda.synchronize(dev)
+        cuda_memory = {"max_allocated_bytes": int(torch.cuda.max_memory_allocated(dev)),
+                       "max_reserved_bytes": int(torch.cuda.max_memory_reserved(dev)),
+                       "device_total_bytes": int(torch.cuda.get_device_properties(dev).total_memory)}
     records = rec.records
     rec.records = []
     if hasattr(engine, "destroy"):
@@ -507,6 +549,7 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
     del engine, opt, model
     return {
         "optimizer_class": opt_class,
+        "cuda_memory": cuda_memory,
         "tensors": tensors,
         "records": records,
         "init_collectives": len(init_records),
@@ -544,16 +587,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(rank: int, nproc: int, port: int, jobs: list[dict], out_dir: str) -> None:
+def _worker(rank: int, nproc: int, port: int, jobs: list[dict], out_dir: str, device: str = "cpu") -> None:
     _die_with_parent()
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
-                       "DS_ACCELERATOR": "cpu"})
+                       "DS_ACCELERATOR": device})
     import logging
 
     import torch
 
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)  # one GPU per rank (select_device checked the count)
     rec = _Recorder()
     rec.install()  # before deepspeed binds all_gather_into_tensor / reduce_scatter_tensor
     import deepspeed
@@ -565,7 +610,7 @@ def _worker(rank: int, nproc: int, port: int, jobs: list[dict], out_dir: str) ->
     _disable_shm_comm_op()
     from datetime import timedelta
 
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=180))
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=180))
     results = []
     for job in jobs:
         t0 = time.perf_counter()
@@ -593,7 +638,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_deepspeed_jobs(jobs: list[dict], *, nproc: int, timeout_s: float = 900.0) -> list[list[dict]]:
+def run_deepspeed_jobs(jobs: list[dict], *, nproc: int, timeout_s: float = 900.0,
+                       device: str = "cpu") -> list[list[dict]]:
     """Run many DeepSpeed jobs in ONE launch of ``nproc`` ranks (start-up costs ~10 s per launch).
 
     Each job: {"name", "ds_config" (ready for ``deepspeed.initialize``), "precision", "steps",
@@ -603,11 +649,11 @@ def run_deepspeed_jobs(jobs: list[dict], *, nproc: int, timeout_s: float = 900.0
     import torch.multiprocessing as mp
 
     env_before = {k: os.environ.get(k) for k in ("DS_ACCELERATOR", "OMP_NUM_THREADS")}
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ["DS_ACCELERATOR"] = device
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         with tempfile.TemporaryDirectory(prefix="zeroplan-ds-") as out_dir:
-            ctx = mp.start_processes(_worker, args=(nproc, _free_port(), jobs, out_dir), nprocs=nproc,
+            ctx = mp.start_processes(_worker, args=(nproc, _free_port(), jobs, out_dir, device), nprocs=nproc,
                                      join=False, start_method="spawn")
             deadline = time.monotonic() + timeout_s
             error = None
@@ -696,6 +742,9 @@ class DeepSpeedRankResult(BaseModel):
     memory_in_backward: dict[str, int] = Field(
         default_factory=dict, description="by category, when the last gradient of the last micro-step is accumulated")
     backward_buffers: dict[str, int] = Field(default_factory=dict, description="buffers alive then, by attribute path")
+    cuda_memory: dict[str, int] | None = Field(
+        None, description="CUDA only: max_allocated_bytes / max_reserved_bytes over the measured steps, "
+                          "device_total_bytes")
     comms_logger: list[dict[str, dict[str, int]]] = Field(
         default_factory=list, description="DeepSpeed comms_logger per measured step: op -> {logged msg bytes: calls}")
     optimizer_class: str = ""
@@ -724,17 +773,21 @@ def _to_rank_result(rank: int, raw: dict, warmup: int, steps: int) -> DeepSpeedR
         memory_in_backward=bwd.get("by_category", {}),
         backward_buffers={k: v["bytes"] for k, v in bwd.get("storages", {}).items() if v["category"] == "buffers"},
         comms_logger=raw["comms_logger"][warmup:warmup + steps], optimizer_class=raw.get("optimizer_class", ""),
+        cuda_memory=raw.get("cuda_memory"),
         wall_s=raw.get("wall_s", 0.0))
 
 
 def prepare_ds_config(ds_config: str | dict, *, nproc: int, micro_batch: int | None, grad_accum: int | None,
-                      precision: str | None, hidden_size: int | None = None) -> tuple[dict, str, dict]:
+                      precision: str | None, hidden_size: int | None = None,
+                      device: str = "cpu") -> tuple[dict, str, dict]:
     """Validate a DeepSpeed config with zeroplan's reader (strict) and make it runnable on CPU.
 
     Returns (config dict for ``deepspeed.initialize``, precision, AdamW kwargs). The config's own
     optimizer/scheduler blocks are replaced by a client ``torch.optim.AdamW`` with the same
     lr / betas / eps / weight_decay (DeepSpeed's fused and CPU Adam need compiled ops);
-    batch keys are set from ``micro_batch`` / ``grad_accum`` (or the config's). Raises
+    batch keys are set from ``micro_batch`` / ``grad_accum`` (or the config's). On ``device``
+    "cuda" the config's optimizer block and ``zero_force_ds_cpu_optimizer`` are kept: DeepSpeed
+    builds FusedAdam (or DeepSpeedCPUAdam under offload) as it would for the user. Raises
     ``InputError`` (one line: file, key, value, expectation) before anything starts.
     """
     from zeroplan.specs.deepspeed_config import load_ds_config
@@ -747,6 +800,7 @@ def prepare_ds_config(ds_config: str | dict, *, nproc: int, micro_batch: int | N
     raw = json.loads(json.dumps(dsc.raw))  # plain copy
     mb = int(micro_batch or dsc.micro_batch or 1)
     gas = int(grad_accum or dsc.grad_accum or 1)
+    optimizer_block = raw.get("optimizer")
     for key in ("train_batch_size", "optimizer", "scheduler", "comms_logger", "fp16", "bf16", "bfloat16", "amp"):
         raw.pop(key, None)
     raw["train_micro_batch_size_per_gpu"] = mb
@@ -769,7 +823,15 @@ def prepare_ds_config(ds_config: str | dict, *, nproc: int, micro_batch: int | N
     for k, v in base.items():
         if k != "zero_optimization":
             raw.setdefault(k, v)
-    raw["zero_force_ds_cpu_optimizer"] = False
+    if device == "cuda" and isinstance(optimizer_block, dict):
+        raw["optimizer"] = optimizer_block
+        _drop_auto(raw["optimizer"])
+        if "zero_force_ds_cpu_optimizer" in dsc.raw:
+            raw["zero_force_ds_cpu_optimizer"] = dsc.raw["zero_force_ds_cpu_optimizer"]
+        else:
+            raw.pop("zero_force_ds_cpu_optimizer", None)
+    else:
+        raw["zero_force_ds_cpu_optimizer"] = False
     raw["zero_allow_untested_optimizer"] = True
     raw["comms_logger"] = base["comms_logger"]
     raw.setdefault("zero_optimization", {"stage": int(dsc.zero.stage)})
@@ -797,7 +859,8 @@ def _drop_auto(node: Any) -> None:
 
 
 def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, warmup: int = 2,
-                         seq_len: int = 16, timeout_s: float = 900.0) -> list[list[DeepSpeedRankResult]]:
+                         seq_len: int = 16, timeout_s: float = 900.0,
+                         device: str = "auto") -> list[list[DeepSpeedRankResult]]:
     """Several configurations in ONE launch (DeepSpeed start-up costs ~10 s per launch).
 
     ``runs``: [{"ds_config": path | JSON text | dict, "precision"?: str, "micro_batch"?: int,
@@ -808,23 +871,26 @@ def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, 
         raise InputError(f"DeepSpeed run: nproc={nproc}, steps={steps}, warmup={warmup}: "
                          "expected nproc >= 1, steps >= 1, warmup >= 0")
     hidden = getattr(spec, "hidden_size", None)
+    dev, _backend = select_device(nproc, device)
     jobs = []
     for i, run in enumerate(runs):  # zeroplan's own validation first: a bad config never reaches DeepSpeed
         cfg, prec, adamw = prepare_ds_config(run["ds_config"], nproc=nproc, micro_batch=run.get("micro_batch"),
                                              grad_accum=run.get("grad_accum"), precision=run.get("precision"),
-                                             hidden_size=hidden)
+                                             hidden_size=hidden, device=dev)
         jobs.append({"name": f"run{i}", "ds_config": cfg, "precision": prec, "steps": warmup + steps,
-                     "seq_len": seq_len, "spec": spec, "adamw": adamw, "memory_step": warmup + steps - 1})
+                     "seq_len": seq_len, "spec": spec, "adamw": adamw, "memory_step": warmup + steps - 1,
+                     "device": dev, "memory_from_step": warmup})
     if not deepspeed_available():
         raise InputError("--engine deepspeed: DeepSpeed is not installed; install it with "
                          "DS_BUILD_OPS=0 pip install 'zeroplan[deepspeed]'")
-    out = run_deepspeed_jobs(jobs, nproc=nproc, timeout_s=timeout_s)
+    out = run_deepspeed_jobs(jobs, nproc=nproc, timeout_s=timeout_s, device=dev)
     return [[_to_rank_result(r, raw, warmup, steps) for r, raw in enumerate(ranks)] for ranks in out]
 
 
 def run_deepspeed_steps(spec, ds_config: str | dict, *, nproc: int, steps: int = 2, warmup: int = 2,
                         micro_batch: int | None = 1, seq_len: int = 16, grad_accum: int | None = None,
-                        precision: str | None = None, timeout_s: float = 900.0) -> list[DeepSpeedRankResult]:
+                        precision: str | None = None, timeout_s: float = 900.0,
+                        device: str = "auto") -> list[DeepSpeedRankResult]:
     """Train ``spec`` (a ModelSpec) with the REAL DeepSpeed engine on ``nproc`` CPU ranks (gloo).
 
     ``ds_config``: path, JSON text or dict; validated strictly by zeroplan first (bad configs
@@ -835,7 +901,7 @@ def run_deepspeed_steps(spec, ds_config: str | dict, *, nproc: int, steps: int =
     """
     run = {"ds_config": ds_config, "precision": precision, "micro_batch": micro_batch, "grad_accum": grad_accum}
     return run_deepspeed_matrix(spec, [run], nproc=nproc, steps=steps, warmup=warmup, seq_len=seq_len,
-                                timeout_s=timeout_s)[0]
+                                timeout_s=timeout_s, device=device)[0]
 
 
 def per_step_summary(result: DeepSpeedRankResult) -> dict[tuple[str, str], dict[str, int]]:

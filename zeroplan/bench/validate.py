@@ -37,6 +37,8 @@ import time
 from typing import Any
 
 from zeroplan._util import InputError, atomic_write_text
+from zeroplan.bench.cuda_oom import cuda_oom_record, is_cuda_oom
+from zeroplan.bench.zero_inputs import header_lines, scale_buckets, step_time_row, user_zero_keys
 from zeroplan.runtime.results import group_records
 
 __all__ = [
@@ -96,13 +98,15 @@ def _zero_config(stage: int, ds: Any) -> Any:
 
 
 def predict(spec: Any, zero: Any, *, precision: str, micro_batch: int, seq_len: int, grad_accum: int,
-            n: int, comm_model: str = "deepspeed", hardware: Any = None, optimizer: str = "adamw") -> Any:
+            n: int, comm_model: str = "deepspeed", hardware: Any = None, optimizer: str = "adamw",
+            checkpointing: str = "none") -> Any:
     """The planner's ``Plan`` for exactly this run (``zeroplan.core.plan.evaluate``)."""
     from zeroplan.core.plan import evaluate
     from zeroplan.specs.training import TrainingSetup, get_optimizer, get_precision
 
     training = TrainingSetup(precision=get_precision(precision), optimizer=get_optimizer(optimizer),
-                             micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, flash_attention=True)
+                             micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, flash_attention=True,
+                             checkpointing=checkpointing)
     return evaluate(model=spec, training=training, zero=zero, n_gpus=n, gpus_per_node=n, hardware=hardware,
                     comm_model=comm_model)
 
@@ -132,7 +136,8 @@ def measure_rank(rank: int, world: int, spec: Any, runs: list[dict[str, Any]], d
         engine = model = None
         try:
             with meter:
-                model = build_model(spec, run["precision"], dev, seed=run.get("seed", 0))
+                model = build_model(spec, run["precision"], dev, seed=run.get("seed", 0),
+                                    checkpointing=run.get("checkpointing", "none"))
                 engine = ZeroEngine(model, run["zero"], precision=run["precision"], comm=comm,
                                     grad_accum=run["grad_accum"], comm_model=run["comm_model"], meter=meter)
                 gen = torch.Generator().manual_seed(1000 + rank)
@@ -173,11 +178,18 @@ def measure_rank(rank: int, world: int, spec: Any, runs: list[dict[str, Any]], d
             res["oom"] = {"phase": exc.phase, "where": getattr(exc, "where", None),
                           "requested_bytes": exc.requested_bytes, "live_bytes": exc.live_bytes,
                           "limit_bytes": exc.limit_bytes, "by_category": exc.by_category, "message": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - only a real CUDA OOM is a result; anything else re-raised
+            if not is_cuda_oom(exc):
+                raise
+            # one configuration ran out of device memory: record it, free what it held, go on
+            res["oom"] = cuda_oom_record(exc, meter)
         finally:
             if engine is not None:
                 engine.close()
             del engine, model
             gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         out.append(res)
     return out
 
@@ -219,7 +231,7 @@ def _row(kind: str, name: str, predicted: float | None, measured: float | None, 
 
 def compare(plan: Any, measured: list[dict], *, model_state_tol: float = MODEL_STATE_TOLERANCE,
             phase_tol: float = PHASE_PEAK_TOLERANCE, collective_tol: float = 0.0,
-            include_host: bool = False) -> list[dict]:
+            include_host: bool = False, device: str = "cpu", hardware: Any = None) -> list[dict]:
     """Rows of predicted vs measured (``measured``: one dict per rank from ``measure_rank``)."""
     rows: list[dict] = []
     r0 = measured[0]
@@ -248,7 +260,7 @@ def compare(plan: Any, measured: list[dict], *, model_state_tol: float = MODEL_S
     want["gradients"] += mem.buffers_detail.get("gradient_partition_whole_params", 0)
     if include_host:  # measured on CPU, where offloaded states are counted with the rest
         host = mem.host.detail
-        want["optimizer_states"] += host.get("optimizer_states", 0)
+        want["optimizer_states"] += host.get("optimizer_states", 0) + host.get("fp32_master_partition", 0)
         want["gradients"] += host.get("fp32_gradient_partition", 0) + host.get("bit16_gradient_partition", 0)
     for cat in _STATES:
         rows.append(_row("model_state", cat, want[cat], ms.get(cat, 0), model_state_tol))
@@ -262,6 +274,9 @@ def compare(plan: Any, measured: list[dict], *, model_state_tol: float = MODEL_S
             continue
         top = max(mpk, key=lambda x: x["peak"])
         rows.append(_row("phase_peak", f"{ph} peak", pp.peak, top["peak"], phase_tol))
+        if top.get("reserved_peak") is not None:  # CUDA: the caching allocator's segments
+            rows.append(_row("phase_peak", f"{ph} reserved peak", getattr(pp, "reserved", None),
+                             top["reserved_peak"], None))
         for cat in _CATS:
             pv = pp.by_category.get(cat, 0)
             mv = top["by_category"].get(cat, 0)
@@ -269,7 +284,9 @@ def compare(plan: Any, measured: list[dict], *, model_state_tol: float = MODEL_S
                 rows.append(_row("phase_category", f"{ph}: {cat}", pv, mv, None))
     # step time
     times = [r["step_time_s"] for r in measured if r.get("step_time_s") is not None]
-    rows.append(_row("step_time", "step time (s)", plan.step_time_s, max(times) if times else None, None))
+    rows.append(step_time_row(plan.step_time_s, max(times) if times else None, device=device,
+                              hardware_name=getattr(hardware, "name", None),
+                              gpu_name=getattr(getattr(hardware, "gpu", None), "name", None)))
     return rows
 
 
@@ -289,21 +306,38 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
                    comm_model: str = "deepspeed", hardware: Any = None, backend: str = "gloo",
                    memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
                    tolerance: dict[str, float] | None = None, zero_overrides: dict[str, Any] | None = None,
-                   fault: dict[str, Any] | None = None) -> dict:
-    """Measure and compare every stage; returns the JSON-able report (``ok`` = all within tolerance)."""
+                   fault: dict[str, Any] | None = None, checkpointing: str = "none",
+                   bucket_scale: float | None = None, scaled_from: Any = None) -> dict:
+    """Measure and compare every stage; returns the JSON-able report (``ok`` = all within tolerance).
+
+    ``bucket_scale``: multiply the bucket sizes the config does not set by this factor
+    (``zero_inputs.scale_buckets``); None keeps DeepSpeed's absolute defaults.
+    ``scaled_from``: the full model spec the run was scaled from (named in the report).
+    """
     from zeroplan.runtime.launch import RankError, join_torchrun, spawn, under_torchrun
 
     tol = {"collective": 0.0, "model_state": MODEL_STATE_TOLERANCE, "phase_peak": PHASE_PEAK_TOLERANCE}
     tol.update(tolerance or {})
     device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda" and not under_torchrun():
+        import torch
+
+        if nproc > torch.cuda.device_count():  # rank % device_count would put two ranks on one GPU
+            raise InputError(f"--nproc {nproc}: NCCL needs one GPU per rank, this machine has "
+                             f"{torch.cuda.device_count()}")
     runs = []
+    buckets: dict[str, dict[str, int]] = {}
     for st in stages:
         zero = _zero_config(st, ds)
         if zero_overrides:
             zero = zero.model_copy(update=zero_overrides)
+        if bucket_scale is not None and bucket_scale < 1:
+            zero, scaled = scale_buckets(zero, bucket_scale, user_zero_keys(ds) | set(zero_overrides or {}))
+            buckets.update(scaled)
         runs.append({"zero": zero, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
                      "grad_accum": grad_accum, "warmup": max(warmup, 2 if st == 3 else warmup), "steps": steps,
-                     "comm_model": comm_model, "memory_limit_bytes": memory_limit_bytes, "fault": fault})
+                     "comm_model": comm_model, "memory_limit_bytes": memory_limit_bytes, "fault": fault,
+                     "checkpointing": checkpointing})
     failures = []
     world = nproc
     _preload_dispatch()
@@ -324,16 +358,19 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
         "model": {"name": spec.name, "params": spec.params, "layers": spec.num_layers, "hidden": spec.hidden_size,
                   "vocab": spec.vocab_size, "model_type": spec.model_type},
         "world_size": world, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
-        "grad_accum": grad_accum, "steps": steps, "comm_model": comm_model, "backend": backend,
+        "grad_accum": grad_accum, "steps": steps, "warmup": warmup, "comm_model": comm_model, "backend": backend,
+        "device": device, "checkpointing": checkpointing, "buckets": buckets, "bucket_scale": bucket_scale,
+        "scaled_from": None if scaled_from is None else {"name": scaled_from.name, "params": scaled_from.params},
         "tolerance": tol, "stages": [], "failures": failures, "findings": [],
     }
     ok = not failures
     for k, st in enumerate(stages):
         zero = runs[k]["zero"]
         plan = predict(spec, zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                       grad_accum=grad_accum, n=world, comm_model=comm_model, hardware=hardware)
+                       grad_accum=grad_accum, n=world, comm_model=comm_model, hardware=hardware,
+                       checkpointing=checkpointing)
         entry: dict[str, Any] = {"stage": st, "zero": zero.model_dump(mode="json", include={
-            "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "param_persistence_threshold",
+            "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "overlap_comm", "contiguous_gradients", "param_persistence_threshold",
             "max_reuse_distance", "sub_group_size", "use_multi_rank_bucket_allreduce"}),
             "predicted_peak_bytes": plan.memory.peak, "predicted_peak_phase": plan.memory.peak_phase}
         if per_rank is None:
@@ -349,7 +386,7 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
                 "phase": o["phase"], "where": o.get("where"), "message": (
                     f"stage {st}: out of memory in {o['phase']}{' during the ' + o['where'] if o.get('where') else ''} "
                     f"on rank(s) {', '.join(str(m['rank']) for m in ooms)} "
-                    f"({o['live_bytes']} bytes live + {o['requested_bytes']} requested > limit {o['limit_bytes']}); "
+                    f"({o['live_bytes']} bytes live + {_fmt_req(o)} requested > limit {o['limit_bytes']}); "
                     f"predicted {o['phase']} peak {plan.memory.phases[o['phase']].peak} bytes, "
                     f"predicted peak {plan.memory.peak} bytes ({plan.memory.peak_phase}: {plan.memory.peak_reason})"),
                 "live_by_category": o["by_category"],
@@ -363,7 +400,7 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
             report["stages"].append(entry)
             continue
         rows = compare(plan, measured, model_state_tol=tol["model_state"], phase_tol=tol["phase_peak"],
-                       collective_tol=tol["collective"])
+                       collective_tol=tol["collective"], device=device, hardware=hardware)
         entry["rows"] = rows
         entry["ok"] = all(r["ok"] for r in rows)
         entry["losses"] = measured[0].get("losses")
@@ -389,7 +426,7 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
         import deepspeed  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
         raise InputError(f"--engine deepspeed needs DeepSpeed: pip install 'zeroplan[deepspeed]' ({exc})") from None
-    from zeroplan.bench.deepspeed_engine import run_deepspeed_steps, steps_identical
+    from zeroplan.bench.deepspeed_engine import run_deepspeed_steps, select_device, steps_identical
     from zeroplan.specs.deepspeed_config import load_ds_config
 
     tol = {"collective": 0.0, "model_state": MODEL_STATE_TOLERANCE, "phase_peak": PHASE_PEAK_TOLERANCE}
@@ -398,16 +435,18 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
     stage = ds.zero.stage
     if stages and stages != [stage]:
         raise InputError(f"{ds_config}: --engine deepspeed runs the config's stage {stage}; drop --stage")
+    device, backend = select_device(nproc)
     results = run_deepspeed_steps(spec, ds_config, nproc=nproc, steps=steps, warmup=max(2, warmup),
                                   micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
-                                  precision=precision, timeout_s=timeout_s)
+                                  precision=precision, timeout_s=timeout_s, device=device)
     failures = [r.failure.model_dump() for r in results if r.failure is not None]
     report: dict[str, Any] = {
         "engine": "deepspeed",
         "model": {"name": spec.name, "params": spec.params, "layers": spec.num_layers, "hidden": spec.hidden_size,
                   "vocab": spec.vocab_size, "model_type": spec.model_type},
         "world_size": nproc, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
-        "grad_accum": grad_accum, "steps": steps, "comm_model": "deepspeed", "backend": "gloo",
+        "grad_accum": grad_accum, "steps": steps, "warmup": max(2, warmup), "comm_model": "deepspeed",
+        "backend": backend, "device": device,
         "tolerance": tol, "stages": [], "failures": failures, "findings": [],
     }
     plan = predict(spec, ds.zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
@@ -426,7 +465,15 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
                              "model_states": {"params": before.get("params", 0), "gradients": grads,
                                               "optimizer_states": before.get("optimizer_states", 0)}})
         entry["rows"] = compare(plan, measured, model_state_tol=tol["model_state"], phase_tol=tol["phase_peak"],
-                                collective_tol=tol["collective"], include_host=True)
+                                collective_tol=tol["collective"], include_host=True, device=device,
+                                hardware=hardware)
+        cm = [r.cuda_memory for r in results if r.cuda_memory]
+        if cm:  # CUDA: the allocator's peaks over the measured steps, max over ranks (shown, not gated)
+            entry["rows"].append(_row("phase_peak", "peak allocated (max_memory_allocated)", plan.memory.peak,
+                                      max(c["max_allocated_bytes"] for c in cm), None))
+            entry["rows"].append(_row("phase_peak", "peak reserved (max_memory_reserved)",
+                                      getattr(plan.memory, "reserved", None),
+                                      max(c["max_reserved_bytes"] for c in cm), None))
         if stage == 0 and precision == "fp32":
             entry["note"] = ("DeepSpeed trains fp32 without ZeRO on the parameters themselves (no separate fp32 "
                              "master, 16 B/param); zeroplan keeps the 20-byte baseline: optimizer states differ "
@@ -439,6 +486,13 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
     report["stages"].append(entry)
     report["ok"] = not failures and entry.get("ok", False)
     return report
+
+
+def _fmt_req(oom: dict) -> str:
+    req = oom.get("requested_bytes")
+    if req is None:
+        return "?"
+    return f"~{req}" if oom.get("requested_is_approximate") else str(req)
 
 
 def _preload_dispatch() -> None:
@@ -463,10 +517,9 @@ def _render(report: dict) -> None:
 
     con = Console(highlight=False)
     con = Console(highlight=False, width=max(con.width, 120))  # the table needs ~110 columns
-    m = report["model"]
-    con.print(f"[bold]bench zero[/]: {m['name']} ({m['params']:,} parameters, {m['layers']} layers, hidden "
-              f"{m['hidden']}), N={report['world_size']}, {report['precision']}, {report['comm_model']} schedule; "
-              "bytes per rank")
+    for k, line in enumerate(header_lines(report)):
+        con.print(("[bold]bench zero[/]: " if k == 0 else "  ") + line.replace("[", "\\["), markup=True,
+                  soft_wrap=True)
     for f in report["failures"]:
         con.print(f"[red]rank {f['rank']} {f['kind']}:[/] {f['message']}", markup=True)
     for st in report["stages"]:
@@ -478,10 +531,15 @@ def _render(report: dict) -> None:
             t.add_column(col, justify="right" if col in ("predicted", "measured", "error", "tolerance") else "left")
         for r in st["rows"]:
             err = "-" if r["error"] is None else f"{100 * r['error']:+.2f}%"
+            if r["kind"] == "step_time" and not r.get("comparable", True) and r["measured"] is not None:
+                err = "not comparable"
             tol = "info" if r["tolerance"] is None else ("exact" if r["tolerance"] == 0 else f"±{100 * r['tolerance']:g}%")
             t.add_row(r["kind"], r["name"], _fmt_num(r["predicted"]), _fmt_num(r["measured"]), err, tol,
                       "ok" if r["ok"] else "[red]FAIL[/]")
         con.print(t)
+        for r in st["rows"]:
+            if r.get("note") and r["kind"] == "step_time":
+                con.print(f"  step time: {r['note']}", soft_wrap=True)
     for f in report["findings"]:
         if not any("oom" in s for s in report["stages"]):
             con.print(f"finding: {f['message']}")
@@ -521,7 +579,8 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
                        output: str | None = None, simulate: bool = False, gpus: int | None = None,
                        layers: int | None = None, hidden: int | None = None, hardware: str | None = None,
                        optimizer: str | None = None, backend: str = "auto", memory_limit: Any = None,
-                       timeout: float = 300.0, engine: str = "zeroplan", **_ignored: Any) -> int:
+                       timeout: float = 300.0, engine: str = "zeroplan", checkpointing: str = "none",
+                       keep_buckets: bool = False, **_ignored: Any) -> int:
     """The `bench zero` command: returns the exit code (0 ok, 1 a figure out of tolerance or a fault)."""
     from zeroplan._util import parse_count
     from zeroplan.specs.model import load_model
@@ -574,6 +633,12 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
 
     if engine not in ("zeroplan", "deepspeed"):
         raise InputError(f"--engine {engine!r}: expected zeroplan (the bundled runtime) or deepspeed")
+    if checkpointing not in ("none", "full"):
+        raise InputError(f"--checkpointing {checkpointing!r}: expected none or full (the bundled runtime "
+                         "recomputes whole layers; selective is planned, not run)")
+    if checkpointing != "none" and (engine == "deepspeed" or simulate):
+        raise InputError("--checkpointing runs with the bundled runtime on real ranks only; "
+                         "drop --engine deepspeed / --simulate")
     if engine == "deepspeed":
         if ds_config is None:
             raise InputError("--engine deepspeed needs --ds-config CONFIG (the DeepSpeed config to run)")
@@ -592,10 +657,12 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
         from zeroplan.runtime.launch import resolve_backend
 
         spec = scaled_spec(full, layers=layers if layers is not None else 2, hidden=hidden if hidden is not None else 64)
+        scale = None if keep_buckets or spec.params >= full.params else spec.params / full.params
         report = run_bench_zero(spec, st_list, nproc=_positive("--nproc", nproc), precision=prec, ds=ds,
                                 micro_batch=mb, seq_len=sl, grad_accum=ga, steps=nsteps, warmup=nwarm,
                                 comm_model=comm_model, hardware=hw, backend=resolve_backend(backend),
-                                memory_limit_bytes=limit, timeout_s=timeout, tolerance=tol)
+                                memory_limit_bytes=limit, timeout_s=timeout, tolerance=tol,
+                                checkpointing=checkpointing, bucket_scale=scale, scaled_from=full)
     if report.get("non_zero_rank"):
         return 0
     text = json.dumps(report, indent=2, allow_nan=False, default=str)

@@ -22,7 +22,7 @@ __all__ = [
     "handle_errors", "print_json", "console", "err_console", "fail", "parse_stages",
     "Model", "Hardware", "Gpus", "Nodes", "GpusPerNode", "DsConfig", "Precision", "Optimizer", "MicroBatch",
     "SeqLen", "GradAccum", "Checkpointing", "FlashAttention", "OffloadOptimizer", "OffloadParam", "Stage",
-    "Headroom", "CommModel", "Mfu", "Strict", "Lenient", "Json",
+    "Headroom", "CommModel", "OptimizerImpl", "Mfu", "Strict", "Lenient", "Json",
     "DEFAULT_HEADROOM", "DEFAULT_MFU", "DEFAULT_COMM_MODEL",
 ]
 
@@ -90,8 +90,14 @@ Headroom = Annotated[float, typer.Option(
     help="Fraction of GPU memory and host RAM to keep free (0–1): recommend only chooses configurations "
          "that leave it; check warns (ZP103) below it.")]
 CommModel = Annotated[str, typer.Option(
-    "--comm-model", metavar="deepspeed|paper",
-    help="deepspeed: the collectives DeepSpeed actually issues; paper: the ZeRO paper's 2Ψ/2Ψ/3Ψ.")]
+    "--flavour", "--comm-model", metavar="deepspeed|paper",
+    help="deepspeed: what DeepSpeed 0.19.8 allocates and issues; paper: the ZeRO paper's accounting (4/4/12 = 20 "
+         "B/param in fp32; 2Ψ/2Ψ/3Ψ communication). --comm-model is an alias.")]
+OptimizerImpl = Annotated[Optional[str], typer.Option(
+    "--optimizer-impl", metavar="fused-adam|torch-foreach|torch-fused|torch-single|cpu-adam",
+    show_default="from --ds-config (an optimizer block: fused-adam; none: torch-foreach), else fused-adam",
+    help="How the Adam step runs on the GPU: DeepSpeed FusedAdam (no temporaries), torch AdamW foreach "
+         "(4 B/element), fused, single-tensor (8 B/element of the largest tensor) or DeepSpeedCPUAdam (host).")]
 Mfu = Annotated[Optional[float], typer.Option(
     "--mfu", metavar="FRACTION", show_default="the compute model (FLOPs from the architecture at a rate by GPU "
     "generation and shape)", help="Override the compute model with a fixed model FLOPs utilisation (0–1].")]

@@ -25,6 +25,21 @@ bench_app = typer.Typer(
 )
 
 
+BENCH_EXTRA_HINT = "pip install 'zeroplan[bench]'"
+
+
+def require_torch(command: str) -> None:
+    """One line and exit 2 when torch cannot be imported (the bench commands need it).
+
+    Checked before anything imports torch, so a missing extra is never a traceback.
+    """
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:  # ModuleNotFoundError, or a broken install
+        raise InputError(f"{command} needs PyTorch, which is not importable here ({exc}); "
+                         f"install the extra: {BENCH_EXTRA_HINT}") from None
+
+
 def _fmt_size(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size and n % size == 0:
@@ -40,20 +55,33 @@ def _render_table(report: Any) -> None:
     t = Table(title=(f"bench collectives — {report.backend}, world {report.world_size} "
                      f"({report.nodes} node(s) × {report.gpus_per_node}), group {report.group}, {report.dtype}, "
                      f"{report.iters} iters"), title_justify="left")
-    for col in ("op", "size", "n", "time µs", "algbw GB/s", "busbw GB/s", "ranks min–med–max µs", "slow"):
-        t.add_column(col, justify="left" if col in ("op", "slow") else "right", no_wrap=True)
+    predicted = report.hardware is not None
+    cols = ["op", "size", "n", "time µs", "algbw GB/s", "busbw GB/s"]
+    if predicted:
+        cols += [f"pred µs ({report.hardware})", "pred busbw GB/s"]
+    # fixed minimum widths for the timing columns: the table's shape does not change with the timings
+    widths = {"time µs": 10, "ranks min–med–max µs": 23}
+    for col in cols + ["ranks min–med–max µs", "slow"]:
+        t.add_column(col, justify="left" if col in ("op", "slow") else "right", no_wrap=True,
+                     min_width=widths.get(col))
     for r in report.results:
-        t.add_row(r.op, _fmt_size(r.size_bytes), str(r.group_size), f"{r.time_s * 1e6:,.1f}",
-                  f"{r.algbw_GBps:.3f}", f"{r.busbw_GBps:.3f}",
-                  f"{r.min_s * 1e6:,.0f}–{r.median_s * 1e6:,.0f}–{r.max_s * 1e6:,.0f}",
+        row = [r.op, _fmt_size(r.size_bytes), str(r.group_size), f"{r.time_s * 1e6:,.1f}",
+               f"{r.algbw_GBps:.3f}", f"{r.busbw_GBps:.3f}"]
+        if predicted:
+            row += ["-" if r.predicted_time_s is None else f"{r.predicted_time_s * 1e6:,.1f}",
+                    "-" if r.predicted_busbw_GBps is None else f"{r.predicted_busbw_GBps:.3f}"]
+        t.add_row(*row, f"{r.min_s * 1e6:,.0f}–{r.median_s * 1e6:,.0f}–{r.max_s * 1e6:,.0f}",
                   ",".join(map(str, r.stragglers)) or "-")
     out = console()
     if not out.is_terminal:
         from rich.console import Console
 
-        out = Console(highlight=False, soft_wrap=False, width=max(out.width, 110))
+        out = Console(highlight=False, soft_wrap=False, width=max(out.width, 160 if predicted else 110))
     out.print(t)
     out.print("GB/s = 1e9 bytes/s; size = full buffer (nccl-tests convention); time = slowest rank's mean per call.")
+    if predicted:
+        out.print(f"pred = the planner's α–β time (core/timing.collective_time_s) for the same op, size and layout "
+                  f"on --hardware {report.hardware}.")
     if report.stragglers:
         ranks = sorted({s["rank"] for s in report.stragglers})
         out.print(f"[yellow]stragglers (> {report.straggler_threshold:g} × median):[/] ranks "
@@ -81,20 +109,28 @@ def collectives(
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before hung ranks are killed."),
     save_profile: Optional[str] = typer.Option(None, "--save-profile",
                                                help="Write a calibrated hardware-profile TOML (alpha-beta fit)."),
-    hardware: Optional[str] = typer.Option(None, "--hardware", help="Base profile for --save-profile's other fields."),
+    hardware: Optional[str] = typer.Option(None, "--hardware",
+                                           help="Profile to predict each row on (pred columns), and the base of "
+                                                "--save-profile's other fields."),
     output: Optional[str] = typer.Option(None, "--output", help="Also write the JSON report to this file (atomic)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
 ) -> None:
-    """nccl-tests style sweep: time, algbw, busbw per op and size, per-rank spread, stragglers."""
+    """nccl-tests style sweep: time, algbw, busbw per op and size, per-rank spread, stragglers.
+
+    With --hardware, every row also shows the time and bus bandwidth the planner predicts for
+    that op and size on that profile (core/timing.collective_time_s).
+    """
+    require_torch("bench collectives")
     from zeroplan.bench.collectives import (
         BenchConfig,
+        add_predictions,
         parse_size,
         run_collectives,
         save_profile_from_report,
         validate_config,
         write_report_json,
     )
-    from zeroplan.runtime.launch import RankError, under_torchrun
+    from zeroplan.runtime.launch import RankError, check_timeout, under_torchrun
 
     cfg = BenchConfig(
         ops=[o.strip() for o in ops.split(",") if o.strip()],
@@ -105,12 +141,12 @@ def collectives(
     validate_config(cfg)
     if save_profile is not None and hardware is None:
         raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the non-link fields")
-    if timeout <= 0:
-        raise InputError(f"--timeout {timeout}: expected seconds > 0")
-    if save_profile is not None:
+    check_timeout(timeout)  # nan, inf, <= 0: one line before any rank starts
+    hw_profile = None
+    if hardware is not None:
         from zeroplan.specs.hardware import load_profile
 
-        load_profile(hardware)  # fail on a bad base before running anything
+        hw_profile = load_profile(hardware)  # fail on a bad profile before running anything
     show_progress = not json_out and sys.stdout.isatty() and not under_torchrun()
     try:
         if show_progress:
@@ -132,9 +168,20 @@ def collectives(
         return
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return
+    if hw_profile is not None:
+        add_predictions(report, hw_profile)
     if save_profile is not None:
-        report.fit = save_profile_from_report(report, save_profile, hardware)
-        report.profile = save_profile
+        try:
+            report.fit = save_profile_from_report(report, save_profile, hardware)
+            report.profile = save_profile
+        except InputError as exc:  # the measured times cannot be fitted (base and path were checked first)
+            reason = str(exc).removeprefix("--save-profile: ")
+            err_console().print(f"warning: --save-profile: {reason}; no profile written", markup=False,
+                                highlight=False, soft_wrap=True)
+            save_profile = None
+        for tier, f in report.fit.items():
+            if f.get("warning"):
+                err_console().print(f"[yellow]warning:[/] {f['warning']}", markup=True)
     if output is not None:
         write_report_json(report, output)
     if json_out:
@@ -143,8 +190,8 @@ def collectives(
         _render_table(report)
         if save_profile is not None:
             for tier, f in report.fit.items():
-                console().print(f"{tier}: latency {f['latency_us']:.1f} µs, bandwidth {f['bandwidth_GBps']:.3f} GB/s "
-                                f"(R² {f['r2']:.3f}) → {save_profile}")
+                console().print(f"{tier} ({f['link_name']}): latency {f['latency_us']:.1f} µs, bandwidth "
+                                f"{f['bandwidth_GBps']:.3f} GB/s (R² {f['r2']:.3f}) → {save_profile}")
 
 
 @bench_app.command("zero")
@@ -156,13 +203,24 @@ def zero(
     hardware: Optional[str] = typer.Option(None, "--hardware", help="Profile name or TOML path (predicted step time)."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32, bf16 or fp16."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Optimizer preset (the engine runs adamw)."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch"),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len"),
-    grad_accum: Optional[int] = typer.Option(None, "--grad-accum"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Measured optimizer steps per stage."),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Unmeasured optimizer steps first."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="Scale the model to this many layers."),
-    hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the model to this hidden size."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch",
+                                              help="Sequences per rank per micro-step (default: the config's, else 2)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default 32)."),
+    grad_accum: Optional[int] = typer.Option(None, "--grad-accum",
+                                             help="Micro-steps per optimizer step (default: the config's, else 1)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Measured optimizer steps per stage (default 2)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup",
+                                         help="Unmeasured optimizer steps first (default 2; stage 3 at least 2)."),
+    layers: Optional[int] = typer.Option(None, "--layers",
+                                         help="Scale the model to this many layers (default 2; with --simulate: keep)."),
+    hidden: Optional[int] = typer.Option(None, "--hidden",
+                                         help="Scale the model to this hidden size (default 64, vocabulary 512; "
+                                              "with --simulate: keep)."),
+    checkpointing: str = typer.Option("none", "--checkpointing",
+                                      help="Activation checkpointing in the run and the prediction: none or full."),
+    keep_buckets: bool = typer.Option(False, "--keep-buckets",
+                                      help="Keep DeepSpeed's absolute bucket defaults (default: scale the buckets the "
+                                           "config does not set by the model's scale factor)."),
     nproc: int = typer.Option(2, "--nproc", help="Local ranks (ignored under torchrun)."),
     simulate: bool = typer.Option(False, "--simulate", help="Trace one rank at --gpus ranks without real peers."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="World size to simulate with --simulate."),
@@ -176,7 +234,20 @@ def zero(
     engine: str = typer.Option("zeroplan", "--engine", help="zeroplan (the bundled runtime) or deepspeed (DeepSpeed's "
                                "real engine with --ds-config; needs zeroplan[deepspeed])."),
 ) -> None:
-    """Run real ZeRO steps per stage and compare predicted vs measured memory and collectives."""
+    """Run real ZeRO steps per stage and compare predicted vs measured memory and collectives.
+
+    Defaults: the --model is scaled to 2 layers of hidden 64 and vocabulary 512 (a llama-2-7b
+    becomes 164,672 parameters), micro-batch 2, sequence 32, grad-accum 1, 2 warm-up + 2 measured
+    steps. Bucket sizes the DeepSpeed config does not set are scaled by the same factor as the
+    model (--keep-buckets uses DeepSpeed's absolute defaults). The header prints every input.
+    """
+    require_torch("bench zero")
+    from zeroplan.runtime.launch import check_gpus_for, resolve_backend, under_torchrun
+    from zeroplan.runtime.torchrun import check_timeout
+
+    check_timeout(timeout)  # nan, inf, <= 0: one line before any rank starts
+    if not simulate and not under_torchrun() and resolve_backend(backend) == "nccl":
+        check_gpus_for(nproc)  # one GPU per rank, before the model is built
     try:
         from zeroplan.bench.validate import run_bench_zero_cli
     except ImportError as exc:
@@ -185,7 +256,8 @@ def zero(
                    optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
                    steps=steps, warmup=warmup, layers=layers, hidden=hidden, nproc=nproc, simulate=simulate,
                    gpus=gpus, backend=backend, comm_model=comm_model, memory_limit=memory_limit,
-                   tolerance=tolerance, timeout=timeout, output=output, json_out=json_out, engine=engine)
+                   tolerance=tolerance, timeout=timeout, output=output, json_out=json_out, engine=engine,
+                   checkpointing=checkpointing, keep_buckets=keep_buckets)
     code = run_bench_zero_cli(**options)
     if code:
         raise typer.Exit(int(code))

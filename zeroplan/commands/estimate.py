@@ -6,7 +6,7 @@ import typer
 
 from zeroplan.commands._common import (
     DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
-    Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Model, Nodes, OffloadOptimizer, OffloadParam, Optimizer,
+    Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Model, Nodes, OffloadOptimizer, OffloadParam, Optimizer, OptimizerImpl,
     Precision, SeqLen, Stage, Strict, console, handle_errors, parse_stages, print_json,
 )
 
@@ -25,7 +25,7 @@ def run_estimate(*, lenient: bool = False, **kw):
     comm_model = kw.pop("comm_model", DEFAULT_COMM_MODEL)
     mfu = kw.pop("mfu", DEFAULT_MFU)
     if comm_model not in ("deepspeed", "paper"):
-        raise InputError(f"--comm-model {comm_model!r} is unknown; expected deepspeed or paper")
+        raise InputError(f"--flavour (--comm-model) {comm_model!r} is unknown; expected deepspeed or paper")
     if mfu is not None and not (0 < mfu <= 1):
         raise InputError(f"--mfu {mfu} must be in (0, 1]")
     inp = build_plan_inputs(**kw)
@@ -74,6 +74,7 @@ def register(app: typer.Typer) -> None:
         offload_param: OffloadParam = None,
         stage: Stage = None,
         comm_model: CommModel = DEFAULT_COMM_MODEL,
+        optimizer_impl: OptimizerImpl = None,
         mfu: Mfu = DEFAULT_MFU,
         strict: Strict = False,
         lenient: Lenient = False,
@@ -88,7 +89,7 @@ def register(app: typer.Typer) -> None:
             ds_config=ds_config, strict=strict, precision=precision, optimizer=optimizer,
             micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, checkpointing=checkpointing,
             flash_attention=flash_attention, offload_optimizer=offload_optimizer, offload_param=offload_param,
-            stage=parse_stages(stage), comm_model=comm_model, mfu=mfu, lenient=lenient,
+            stage=parse_stages(stage), comm_model=comm_model, mfu=mfu, lenient=lenient, optimizer_impl=optimizer_impl,
         )
         if json_out:
             print_json(result)

@@ -25,11 +25,12 @@ from zeroplan.specs.deepspeed_config import (
 from zeroplan.specs.config_lines import find_key_line, key_lines
 from zeroplan.specs.hardware import HardwareProfile, load_profile
 from zeroplan.specs.model import ModelSpec, load_model
-from zeroplan.specs.training import TrainingSetup, get_optimizer, get_precision
+from zeroplan.specs.training import GRAD_ACCUM_DTYPES, OPTIMIZER_IMPLS, TrainingSetup, get_optimizer, get_precision
 
 __all__ = [
     "PlanInputs", "build_plan_inputs", "zero_for_stage", "OFFLOAD_DEVICES", "CHECKPOINTING", "DEFAULT_SEQ_LEN",
-    "ZEROPLAN_KEY", "refuse_ds_errors", "annotate_ds_config", "planning_metadata",
+    "ZEROPLAN_KEY", "refuse_ds_errors", "annotate_ds_config", "planning_metadata", "optimizer_impl_from_config",
+    "grad_accum_dtype_from_config",
 ]
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -81,6 +82,44 @@ def zero_for_stage(inp: PlanInputs, stage: int) -> ZeroConfig:
     return zero
 
 
+def optimizer_impl_from_config(ds: DSConfig | None) -> tuple[str, str]:
+    """(impl, why): how DeepSpeed 0.19.8 runs Adam for this config on CUDA.
+
+    engine.py ``_configure_basic_optimizer`` / ``get_optimizer_configuration``: an ``optimizer``
+    block gives DeepSpeedCPUAdam with optimizer offload, torch.optim.Adam/AdamW with
+    ``torch_adam: true`` (``foreach`` from the block, torch's default otherwise: foreach on CUDA),
+    else FusedAdam. No block: the client's optimizer (the HF Trainer's torch AdamW, foreach).
+    """
+    if ds is None:
+        return "fused-adam", "default: DeepSpeed's FusedAdam (no DeepSpeed config; give --optimizer-impl)"
+    if ds.zero.optimizer_offload_device != "none":
+        return "cpu-adam", "optimizer offload: DeepSpeedCPUAdam steps on the host"
+    block = ds.raw.get("optimizer")
+    if isinstance(block, dict):
+        params = block.get("params") if isinstance(block.get("params"), dict) else {}
+        if params.get("torch_adam") is True:
+            if params.get("foreach") is False:
+                return "torch-single", "optimizer.params.torch_adam with foreach false: torch Adam, one tensor at a time"
+            return "torch-foreach", "optimizer.params.torch_adam: torch Adam (foreach on CUDA)"
+        return "fused-adam", f"optimizer block {block.get('type')!r}: DeepSpeed FusedAdam on CUDA"
+    return "torch-foreach", "no optimizer block: the client's optimizer (torch AdamW, foreach on CUDA) is assumed"
+
+
+def grad_accum_dtype_from_config(ds: DSConfig | None, where: str) -> str | None:
+    """``data_types.grad_accum_dtype`` as fp32/bf16/fp16, or None (the model dtype)."""
+    if ds is None:
+        return None
+    dt = ds.raw.get("data_types")
+    val = dt.get("grad_accum_dtype") if isinstance(dt, dict) else None
+    if val is None:
+        return None
+    key = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "bfloat16": "bf16", "bf16": "bf16",
+           "float16": "fp16", "fp16": "fp16", "half": "fp16"}.get(str(val).lower())
+    if key is None:
+        raise InputError(f"{where}: data_types.grad_accum_dtype = {val!r}: expected fp32, bf16 or fp16")
+    return key
+
+
 def _check_positive(name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise InputError(f"{name} must be a positive integer, got {value}")
@@ -105,6 +144,8 @@ def build_plan_inputs(
     offload_optimizer: str | None = None,
     offload_param: str | None = None,
     stage: int | list[int] | None = None,
+    optimizer_impl: str | None = None,
+    expandable_segments: bool = False,
 ) -> PlanInputs:
     """The planning inputs. ``None`` means "not given": the DeepSpeed config's value (for
     ``seq_len``/``checkpointing``/``flash_attention`` its ``zeroplan`` block), else the default.
@@ -113,6 +154,8 @@ def build_plan_inputs(
     for name, v in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
                     ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
         _check_positive(name, v)
+    if optimizer_impl is not None and optimizer_impl not in OPTIMIZER_IMPLS:
+        raise InputError(f"--optimizer-impl {optimizer_impl!r} is unknown; expected one of {', '.join(OPTIMIZER_IMPLS)}")
     for st in stage_list or []:
         if isinstance(st, bool) or st not in (0, 1, 2, 3):
             raise InputError(f"--stage {st} is not a ZeRO stage; expected 0, 1, 2 or 3")
@@ -193,9 +236,18 @@ def build_plan_inputs(
         opt = get_optimizer("adamw")
     mb = micro_batch or (ds.micro_batch if ds is not None and ds.micro_batch else None) or 1
     gas = grad_accum or (ds.grad_accum if ds is not None and ds.grad_accum else None) or 1
+    if optimizer_impl is not None:
+        impl = optimizer_impl
+        assumptions.append(f"optimizer step: {impl} (--optimizer-impl)")
+    else:
+        impl, why = optimizer_impl_from_config(ds)
+        assumptions.append(f"optimizer step: {impl} ({why})")
+    acc = grad_accum_dtype_from_config(ds, ds_config or "DeepSpeed config")
+    assert acc is None or acc in GRAD_ACCUM_DTYPES
     training = TrainingSetup(
         precision=prec, precision_source=prec_src, optimizer=opt, micro_batch=mb, seq_len=seq_len,
         grad_accum=gas, checkpointing=checkpointing, flash_attention=flash_attention,
+        optimizer_impl=impl, grad_accum_dtype=acc, expandable_segments=expandable_segments,
     )
     assumptions.append(f"precision {prec.name} ({prec_src})")
 

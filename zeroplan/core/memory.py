@@ -30,21 +30,24 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.activations import ActivationBreakdown, activation_memory
-from zeroplan.core.comm import STAGE0_BUCKET
-from zeroplan.core.layout import Layout, Stage3Schedule, build_layout, stage3_schedule
+from zeroplan.core.allocator import communicators, reserved_bytes
+from zeroplan.core.host_memory import HostMemory, host_memory
+from zeroplan.core.layout import Layout, build_layout
+from zeroplan.core.memory_buffers import GatherPeak, phase_buffers
+from zeroplan.core.memory_states import model_state_bytes, state_plan
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
 
 __all__ = [
     "CATEGORIES",
     "PHASES",
-    "PhaseMemory",
     "GatherPeak",
     "HostMemory",
     "MemoryBreakdown",
+    "PhaseMemory",
     "memory_for_stage",
-    "paper_model_states",
     "model_state_bytes",
+    "paper_model_states",
 ]
 
 CATEGORIES = ("params", "gradients", "optimizer_states", "buffers", "activations")
@@ -70,28 +73,6 @@ class PhaseMemory(BaseModel):
     by_category: dict[str, int]
 
 
-class GatherPeak(BaseModel):
-    """Stage 3: what sets the gathered-parameter peak."""
-
-    module: str
-    module_bytes: int  # the module's gathered parameters
-    transient_bytes: int  # incl. the ~2× of a coalesced multi-parameter gather
-    kept_bytes: int  # modules kept gathered for reuse at that moment
-    prefetch_bytes: int
-    total_bytes: int
-    phase: str
-
-
-class HostMemory(BaseModel):
-    """Host (CPU) RAM and NVMe that offload needs; nvidia-smi does not show these."""
-
-    per_gpu_bytes: int = 0
-    per_node_bytes: int = 0
-    pinned_per_node_bytes: int = 0
-    nvme_per_node_bytes: int = 0
-    detail: dict[str, int] = Field(default_factory=dict)  # per GPU (rank)
-
-
 class MemoryBreakdown(BaseModel):
     """Per-GPU bytes. ``model_states`` = params + gradients + optimizer_states (paper's sum)."""
 
@@ -101,8 +82,10 @@ class MemoryBreakdown(BaseModel):
     model_states: int
     buffers: int  # at the peak phase
     activations: int  # at the peak phase
-    overhead: int
-    peak: int
+    overhead: int  # peak - allocated: allocator pools and slack, CUDA context, NCCL
+    allocated: int  # what torch.cuda.max_memory_allocated would show
+    reserved: int  # the caching allocator's segments (torch.cuda.max_memory_reserved)
+    peak: int  # reserved + CUDA context + NCCL: what the device holds (nvidia-smi); fits/OOM use this
     peak_phase: str
     peak_reason: str
     phases: dict[str, PhaseMemory]
@@ -111,6 +94,11 @@ class MemoryBreakdown(BaseModel):
     overhead_detail: dict[str, int]
     gather: GatherPeak | None = None
     host: HostMemory
+    communicators: int = 0  # NCCL communicators this rank creates
+    side_stream_bytes: dict[str, int] = Field(default_factory=dict)  # per side-stream pool, its own maximum
+    optimizer_impl: str = "fused-adam"
+    optimizer_wrapper: str = "zero"  # what DeepSpeed wraps the optimizer in (core/memory_states.py)
+    step_transient_bytes: int = 0  # the step's large new blocks (core/allocator.py)
     notes: list[str] = Field(default_factory=list)
 
 
@@ -124,65 +112,46 @@ def _offload_device(zero: Any, which: str) -> str:
     return str(getattr(dev, "value", dev) or "none")
 
 
-def model_state_bytes(layout: Layout, training: TrainingSetup, stage: int) -> tuple[int, int, int]:
-    """(params, gradients, optimizer_states) bytes per GPU, padded as DeepSpeed does, no offload."""
-    prec = training.precision
-    k = training.optimizer_bytes_per_param
-    if stage == 0:
-        n_p = n_g = n_o = layout.params
-    elif stage in (1, 2):
-        n_p = layout.flat_padded
-        n_g = layout.flat_padded if stage == 1 else layout.partition_12
-        n_o = layout.partition_12
+def _phase(p_params: int, p_grads: int, p_opt: int, p_buf: int, p_act: int) -> PhaseMemory:
+    cats = {"params": p_params, "gradients": p_grads, "optimizer_states": p_opt, "buffers": p_buf, "activations": p_act}
+    return PhaseMemory(peak=sum(cats.values()), by_category=cats)
+
+
+def _reason(phases: dict[str, PhaseMemory], peak_phase: str, live_peak: int, stage: int, gp: GatherPeak | None,
+            buffers: dict[str, int], step_note: bool) -> str:
+    cats = phases[peak_phase].by_category
+    top = max(cats, key=lambda c: cats[c])
+    label = {"params": "parameters", "optimizer_states": "optimizer states"}.get(top, top)
+    reason = f"{label} ({cats[top] / 1e9:.2f} GB) dominate the {peak_phase} peak"
+    if stage == 3 and gp is not None and gp.total_bytes > 0 and (top == "buffers" or gp.module_bytes >= 0.05 * live_peak):
+        reason = (
+            f"stage-3 gather of `{gp.module}` ({gp.transient_bytes / 1e9:.2f} GB in flight, "
+            f"{gp.total_bytes / 1e9:.2f} GB gathered in all) during {gp.phase}; " + reason
+        )
+    if step_note and peak_phase == "step" and phases["step"].by_category["buffers"]:
+        reason = (
+            f"the optimizer step's transients (fp32 gradient copy {buffers.get('step_fp32_grad', 0) / 1e9:.2f} GB, "
+            f"optimizer temporaries {buffers.get('optimizer_temp', 0) / 1e9:.2f} GB) on top of the model states; " + reason
+        )
+    return reason
+
+
+def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingSetup,
+                    overhead: dict[str, Any] | None, n_comm: int,
+                    notes: list[str]) -> tuple[int, int, dict[str, int], dict[str, int]]:
+    """(allocated, reserved, side pools, overhead detail): the caching allocator's view of the
+    phases (core/allocator.py) plus the CUDA context and NCCL per communicator from the profile."""
+    frag = float(overhead.get("fragmentation_fraction", 0.0)) if overhead else 0.0
+    allocated, reserved, side = reserved_bytes(
+        {p: phases[p].peak for p in PHASES}, pb.side, fragmentation_fraction=frag,
+        expandable_segments=training.expandable_segments, step_transient=pb.step_transient)
+    od: dict[str, int] = {"allocator": reserved - allocated}
+    if overhead:
+        od["cuda_context"] = int(overhead.get("cuda_context_bytes", 0))
+        od["nccl"] = int(overhead.get("nccl_bytes", 0)) * n_comm
     else:
-        n_p = layout.partition_3 + layout.persistent_padded
-        n_g = layout.partition_3
-        n_o = layout.partition_3
-    return prec.param_bytes * n_p, prec.grad_bytes * n_g, int(k * n_o)
-
-
-def _stage3_gather(layout: Layout, sched: Stage3Schedule, b_p: int) -> tuple[GatherPeak | None, GatherPeak | None]:
-    """Forward and backward gathered-parameter peaks (bytes).
-
-    Forward: the gather in flight (2× while a multi-parameter coalesced gather is unpacked)
-    on top of everything gathered earlier that is kept for backward. Backward: the kept
-    modules (released as backward reaches them) plus a re-gathered module in flight.
-    """
-    if not sched.forward_chunks:
-        return None, None
-    kept_total = sum(m.gathered for m, again in zip(layout.modules, sched.regather) if m.gathered and not again)
-    if sched.one_shot:
-        size, n, label = sched.forward_chunks[0]
-        t = size * (2 if n > 1 else 1)
-        f = GatherPeak(module=label, module_bytes=size * b_p, transient_bytes=t * b_p, kept_bytes=0,
-                       prefetch_bytes=0, total_bytes=t * b_p, phase="forward")
-        return f, GatherPeak(module=label, module_bytes=size * b_p, transient_bytes=0, kept_bytes=size * b_p,
-                             prefetch_bytes=0, total_bytes=size * b_p, phase="backward")
-    # forward: walk the chunks; what stays gathered is the kept modules' share of earlier chunks
-    frac_kept = kept_total / max(1, sum(c[0] for c in sched.forward_chunks))
-    best_f = None
-    done = 0
-    for size, n, label in sched.forward_chunks:
-        t = size * (2 if n > 1 else 1)
-        kept = int(done * frac_kept)
-        total = kept + t
-        if best_f is None or total * b_p > best_f.total_bytes:
-            best_f = GatherPeak(module=label, module_bytes=size * b_p, transient_bytes=t * b_p, kept_bytes=kept * b_p,
-                                prefetch_bytes=0, total_bytes=total * b_p, phase="forward")
-        done += size
-    best_b = None
-    held = kept_total
-    for m, again in reversed(list(zip(layout.modules, sched.regather))):
-        if not m.gathered:
-            continue
-        cur = m.gathered * (2 if m.n_gathered > 1 else 1) if again else 0
-        total = held + cur
-        if best_b is None or total * b_p > best_b.total_bytes:
-            best_b = GatherPeak(module=m.name, module_bytes=m.gathered * b_p, transient_bytes=cur * b_p,
-                                kept_bytes=held * b_p, prefetch_bytes=0, total_bytes=total * b_p, phase="backward")
-        if not again:
-            held -= m.gathered
-    return best_f, best_b
+        notes.append("no hardware profile: CUDA context and NCCL buffers are not included; no allocator slack")
+    return allocated, reserved, side, od
 
 
 def memory_for_stage(
@@ -194,17 +163,17 @@ def memory_for_stage(
     gpus_per_node: int = 1,
     overhead: dict[str, Any] | None = None,
     layout: Layout | None = None,
+    flavour: str = "deepspeed",
 ) -> MemoryBreakdown:
     """Per-GPU memory for ``zero.stage`` on ``n_gpus`` data-parallel GPUs.
 
     ``zero`` is a zeroplan.specs.deepspeed_config.ZeroConfig (or any object with the same
-    attribute names). ``overhead`` = {"cuda_context_bytes", "nccl_bytes",
+    attribute names). ``overhead`` = {"cuda_context_bytes", "nccl_bytes" (per communicator),
     "fragmentation_fraction"} from the hardware profile, or None (reported as 0, with a note).
+    ``flavour``: "deepspeed" (what DeepSpeed 0.19.8 allocates) or "paper" (the ZeRO paper's
+    accounting of model states; core/memory_states.py).
     """
     stage = int(_get(zero, "stage", 0))
-    prec = training.precision
-    b_p, b_g, b_c = prec.param_bytes, prec.grad_bytes, prec.comm_bytes
-    mixed = prec.mixed
     if layout is None:
         layout = build_layout(
             spec, n_gpus,
@@ -214,174 +183,50 @@ def memory_for_stage(
     notes: list[str] = []
     off_opt = _offload_device(zero, "offload_optimizer") if stage >= 1 else "none"
     off_par = _offload_device(zero, "offload_param") if stage == 3 else "none"
-    rbs = int(_get(zero, "reduce_bucket_size", 500_000_000))
-    overlap = bool(_get(zero, "overlap_comm", stage == 3))
-    contiguous = bool(_get(zero, "contiguous_gradients", True)) or off_opt != "none"
-    psi = layout.params
-
-    params, grads_end, opt = model_state_bytes(layout, training, stage)
+    sp = state_plan(training, stage, offload=off_opt != "none", flavour=flavour)
+    if sp.note:
+        notes.append(sp.note)
+    params, grads_end, opt = model_state_bytes(layout, training, stage, offload=off_opt != "none", flavour=flavour)
     model_states = params + grads_end + opt
-    part = {0: psi, 1: layout.partition_12, 2: layout.partition_12, 3: layout.partition_3}[stage]
-    k = training.optimizer_bytes_per_param
-    host = HostMemory()
-    buffers: dict[str, int] = {}
+    host = host_memory(layout, training, zero, stage, off_opt=off_opt, off_par=off_par, gpus_per_node=gpus_per_node,
+                       master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes)
 
-    # hpZ secondary partition (ZeRO++): +b_p·Ψ/k per GPU
-    hpz = int(_get(zero, "zero_hpz_partition_size", 1) or 1)
-    if stage == 3 and hpz > 1:
-        buffers["hpz_secondary_partition"] = b_p * (layout.padded_total_3 // hpz)
-
-    # ---- offload: states move to host RAM (per rank), or NVMe ----
-    gpu_params = params
-    gpu_opt = opt
-    gpu_grads_end = grads_end
-    pinned = 0
+    # ---- offload: what stays on the GPU ----
+    gpu_params, gpu_opt, gpu_grads_end = params, opt, grads_end
     if off_opt != "none":
         gpu_opt = 0
-        host.detail["optimizer_states"] = int(k * part)
-        host.detail["fp32_gradient_partition"] = 4 * part
-        if stage in (1, 2):
-            host.detail["bit16_gradient_buffer"] = b_g * part
-            # one host temp buffer of the largest param in the 16-bit dtype (measured, DS 0.19.8)
-            host.detail["offload_temp_grad_buffer"] = b_g * layout.largest_tensor
-            if stage == 2 and training.grad_accum > 1:
-                # accumulated_grads_in_cpu: whole params overlapping the rank's partition
-                host.detail["accumulated_grads_in_cpu"] = b_g * layout.grad_partition_12_max
-            gpu_grads_end = b_g * psi if stage == 1 else 0
-            buffers["offload_gpu_temp_grad"] = b_g * layout.largest_tensor
-        else:
-            gpu_grads_end = 0
-            host.detail["bit16_gradient_partition"] = b_g * part
-        if off_opt == "nvme":
-            host.nvme_per_node_bytes = gpus_per_node * (host.detail.pop("optimizer_states") + host.detail.pop("fp32_gradient_partition"))
-            bc = int(_get(_get(zero, "offload_optimizer"), "buffer_count", 4) or 4)
-            sub = max(layout.sub_groups_3(int(_get(zero, "sub_group_size", 1_000_000_000)))) if stage == 3 else part
-            host.detail["nvme_swap_buffers"] = bc * 4 * sub
-        if bool(_get(_get(zero, "offload_optimizer"), "pin_memory", True)):
-            pinned += sum(host.detail.values())
+        gpu_grads_end = sp.grad_bytes * layout.params if stage == 1 else 0
     if off_par != "none":
-        gpu_params = b_p * layout.persistent_padded
-        if off_par == "cpu":
-            host.detail["param_partition"] = b_p * layout.partition_3
-            if bool(_get(_get(zero, "offload_param"), "pin_memory", True)):
-                pinned += b_p * layout.partition_3
-        else:
-            host.nvme_per_node_bytes += gpus_per_node * b_p * layout.partition_3
-            bc = int(_get(_get(zero, "offload_param"), "buffer_count", 5) or 5)
-            bs = int(_get(_get(zero, "offload_param"), "buffer_size", 100_000_000) or 100_000_000)
-            host.detail["param_nvme_buffers"] = bc * bs * b_p
-    host.per_gpu_bytes = sum(host.detail.values())
-    host.per_node_bytes = host.per_gpu_bytes * gpus_per_node
-    host.pinned_per_node_bytes = pinned * gpus_per_node
+        gpu_params = training.precision.param_bytes * layout.persistent_padded
 
-    # gradients that persist outside backward/step: stage 3's partition buffer always; with
-    # gradient accumulation the previous micro-steps' gradients are live in the next forward
-    grads_fwd = gpu_grads_end if (stage == 3 or training.grad_accum > 1) else 0
-
-    # ---- buffers by phase ----
-    fwd_buf = 0
-    bwd_buf = 0
-    step_buf = 0
-    gather_f = gather_b = None
-    if stage == 0:
-        # stage 0 buckets are DeepSpeed's constant 5e8 elements, not reduce_bucket_size
-        buffers["allreduce_flatten"] = b_c * min(STAGE0_BUCKET, psi)
-        bwd_buf += buffers["allreduce_flatten"]
-    elif stage in (1, 2):
-        if contiguous:
-            buffers["ipg_bucket"] = b_g * rbs * (2 if overlap else 1)
-            bwd_buf += buffers["ipg_bucket"]
-        buffers["allreduce_flatten"] = b_c * min(rbs, psi)
-        bwd_buf += buffers["allreduce_flatten"]
-        bwd_buf += buffers.get("offload_gpu_temp_grad", 0)
-        if stage == 2 and off_opt == "none":
-            # DeepSpeed sizes the gradient partition buffer by the whole params that overlap a
-            # rank's slice (copy_grads_in_partition): the largest rank holds this much more
-            extra = b_g * (layout.grad_partition_12_max - layout.partition_12)
-            if extra:
-                buffers["gradient_partition_whole_params"] = extra
-                bwd_buf += extra
-                step_buf += extra
-                if training.grad_accum > 1:
-                    fwd_buf += extra
-    else:
-        if contiguous:
-            buffers["ipg_bucket"] = b_g * rbs
-        buffers["reduce_scatter_temp"] = b_c * min(rbs, layout.padded_total_3)
-        sched = stage3_schedule(
-            layout, max_live=int(_get(zero, "max_live_parameters", 1_000_000_000)),
-            prefetch_bucket=int(_get(zero, "prefetch_bucket_size", 50_000_000)),
-            max_reuse=int(_get(zero, "max_reuse_distance", 1_000_000_000)))
-        gather_f, gather_b = _stage3_gather(layout, sched, b_p)
-        if gather_f:
-            buffers["gathered_params_forward"] = gather_f.total_bytes
-        if gather_b:
-            buffers["gathered_params_backward"] = gather_b.total_bytes
-        persistent = buffers.get("ipg_bucket", 0) + buffers.get("hpz_secondary_partition", 0)
-        fwd_buf += persistent + (gather_f.total_bytes if gather_f else 0)
-        bwd_buf += persistent + buffers["reduce_scatter_temp"] + (gather_b.total_bytes if gather_b else 0)
-        step_buf += persistent
-
-    # transient fp32 gradient at the step + optimizer foreach temporaries (GPU only without offload)
-    if off_opt == "none":
-        if stage == 3:
-            group = max(layout.sub_groups_3(int(_get(zero, "sub_group_size", 1_000_000_000))))
-        else:
-            group = part
-        if stage == 0:
-            fp32_grad = 4 * group if mixed else 0
-        else:
-            fp32_grad = (b_g + 4) * group if mixed else 4 * group
-        buffers["step_fp32_grad"] = fp32_grad
-        adam_like = training.optimizer.state_bytes >= 8
-        buffers["optimizer_temp"] = 4 * group if adam_like else 0
-        step_buf += fp32_grad + buffers["optimizer_temp"]
+    pb = phase_buffers(layout, training, zero, stage, off_opt=off_opt, grad_bytes=sp.grad_bytes,
+                       grad_end=gpu_grads_end, wrapper=sp.wrapper)
+    buffers = pb.detail
+    # gradients that persist outside backward/step: stage 3's partition buffer and BF16_Optimizer's
+    # fp32 gradients always; with gradient accumulation the previous micro-steps' gradients
+    persistent_grads = stage == 3 or sp.wrapper == "bf16_optimizer" or training.grad_accum > 1
+    grads_fwd = gpu_grads_end if persistent_grads else 0
+    step_grads = gpu_grads_end if pb.step_grads is None else pb.step_grads
 
     # ---- activations ----
     act = activation_memory(spec, training)
-    s, b, V = training.seq_len, training.micro_batch, spec.vocab_size
-    logits_grad = 4 * s * b * V
+    logits_grad = 4 * training.seq_len * training.micro_batch * spec.vocab_size
 
-    def phase(p_params: int, p_grads: int, p_opt: int, p_buf: int, p_act: int) -> PhaseMemory:
-        cats = {"params": p_params, "gradients": p_grads, "optimizer_states": p_opt, "buffers": p_buf, "activations": p_act}
-        return PhaseMemory(peak=sum(cats.values()), by_category=cats)
-
-    fwd = phase(gpu_params, grads_fwd, gpu_opt, fwd_buf, act.total)
-    bwd_start = phase(gpu_params, grads_fwd, gpu_opt, bwd_buf, act.total + logits_grad + act.recompute)
-    bwd_end = phase(gpu_params, gpu_grads_end, gpu_opt, bwd_buf, 0)
+    fwd = _phase(gpu_params, grads_fwd, gpu_opt, pb.forward, act.total)
+    bwd_start = _phase(gpu_params, grads_fwd, gpu_opt, pb.backward, act.total + logits_grad + act.recompute)
+    bwd_end = _phase(gpu_params, gpu_grads_end, gpu_opt, pb.backward, 0)
     bwd = bwd_start if bwd_start.peak >= bwd_end.peak else bwd_end
-    stp = phase(gpu_params, gpu_grads_end, gpu_opt, step_buf, 0)
+    stp = _phase(gpu_params, step_grads, gpu_opt, pb.step, 0)
     phases = {"forward": fwd, "backward": bwd, "step": stp}
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
-    live_peak = phases[peak_phase].peak
 
-    # ---- overhead (explicit, labelled) ----
-    od: dict[str, int] = {}
-    if overhead:
-        od["cuda_context"] = int(overhead.get("cuda_context_bytes", 0))
-        od["nccl"] = int(overhead.get("nccl_bytes", 0))
-        od["fragmentation"] = int(float(overhead.get("fragmentation_fraction", 0.0)) * live_peak)
-    else:
-        notes.append("no hardware profile: CUDA context, NCCL buffers and fragmentation are not included")
-    over = sum(od.values())
+    # ---- the caching allocator, CUDA context, NCCL (core/allocator.py) ----
+    n_comm = communicators(zero, stage, n_gpus)
+    allocated, reserved, side, od = _device_figures(phases, pb, training, overhead, n_comm, notes)
+    peak = reserved + od.get("cuda_context", 0) + od.get("nccl", 0)
 
-    # ---- what sets the peak ----
+    gp = pb.gather_forward if peak_phase == "forward" else pb.gather_backward if peak_phase == "backward" else None
     cats = phases[peak_phase].by_category
-    top = max(cats, key=lambda c: cats[c])
-    label = {"params": "parameters", "optimizer_states": "optimizer states"}.get(top, top)
-    reason = f"{label} ({cats[top] / 1e9:.2f} GB) dominate the {peak_phase} peak"
-    gp = gather_f if peak_phase == "forward" else gather_b if peak_phase == "backward" else None
-    if stage == 3 and gp is not None and gp.total_bytes > 0 and (top == "buffers" or gp.module_bytes >= 0.05 * live_peak):
-        reason = (
-            f"stage-3 gather of `{gp.module}` ({gp.transient_bytes / 1e9:.2f} GB in flight, "
-            f"{gp.total_bytes / 1e9:.2f} GB gathered in all) during {gp.phase}; " + reason
-        )
-    if off_opt == "none" and peak_phase == "step" and step_buf:
-        reason = (
-            f"the optimizer step's transients (fp32 gradient copy {buffers['step_fp32_grad'] / 1e9:.2f} GB, "
-            f"optimizer temporaries {buffers['optimizer_temp'] / 1e9:.2f} GB) on top of the model states; " + reason
-        )
-
     return MemoryBreakdown(
         params=gpu_params,
         gradients=gpu_grads_end,
@@ -389,15 +234,23 @@ def memory_for_stage(
         model_states=model_states if (off_opt == "none" and off_par == "none") else gpu_params + gpu_grads_end + gpu_opt,
         buffers=cats["buffers"],
         activations=cats["activations"],
-        overhead=over,
-        peak=live_peak + over,
+        overhead=peak - allocated,
+        allocated=allocated,
+        reserved=reserved,
+        peak=peak,
         peak_phase=peak_phase,
-        peak_reason=reason,
+        peak_reason=_reason(phases, peak_phase, allocated, stage, gp, buffers, off_opt == "none"),
         phases=phases,
         buffers_detail=buffers,
         activations_detail=act,
         overhead_detail=od,
-        gather=(max((g for g in (gather_f, gather_b) if g), key=lambda g: g.total_bytes) if stage == 3 and (gather_f or gather_b) else None),
+        gather=(max((g for g in (pb.gather_forward, pb.gather_backward) if g), key=lambda g: g.total_bytes)
+                if stage == 3 and (pb.gather_forward or pb.gather_backward) else None),
         host=host,
+        communicators=n_comm,
+        side_stream_bytes=side,
+        optimizer_impl=training.optimizer_impl if off_opt == "none" else "cpu-adam",
+        optimizer_wrapper=sp.wrapper,
+        step_transient_bytes=pb.step_transient,
         notes=notes,
     )

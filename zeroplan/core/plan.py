@@ -44,7 +44,7 @@ class Plan(BaseModel):
     memory: MemoryBreakdown
     host_memory_per_node: int
     gpu_memory_bytes: int | None = None
-    fits: bool | None = None  # None when no hardware profile is given
+    fits: bool | None = None  # None when no hardware profile is given; judged on memory.peak (reserved + context + NCCL)
     headroom_bytes: int | None = None
     host_ram_per_node_bytes: int | None = None
     host_fits: bool | None = None
@@ -85,7 +85,8 @@ def evaluate(
         model_persistence_threshold=getattr(zero, "model_persistence_threshold", None),
     )
     overhead = hardware.overhead.model_dump() if hardware is not None else None
-    mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout)
+    mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout,
+                           flavour=comm_model)
     ledger: CommLedger = build_ledger(layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model)
     off_opt = _device(zero, "offload_optimizer") if stage >= 1 else "none"
     off_par = _device(zero, "offload_param") if stage == 3 else "none"
@@ -176,9 +177,11 @@ def training_summary(training: TrainingSetup) -> dict[str, Any]:
         "bytes_per_param": {
             "params": training.precision.param_bytes,
             "gradients": training.precision.grad_bytes,
-            "optimizer_states": training.optimizer_bytes_per_param,
+            "optimizer_states": training.optimizer_bytes_per_param,  # the paper's K; see each plan's memory
         },
         "optimizer": training.optimizer.name,
+        "optimizer_impl": training.optimizer_impl,
+        "grad_accum_dtype": training.grad_accum_dtype or training.precision.name,
         "micro_batch": training.micro_batch,
         "seq_len": training.seq_len,
         "grad_accum": training.grad_accum,

@@ -13,10 +13,14 @@ Conventions (see ``zeroplan.specs.collectives``):
   reduce, the input of an all-to-all.
 - ``rank`` / ``world_size`` are this process's rank and the size of the WRAPPED group;
   ``src`` / ``dst`` arguments are ranks within that group. Records carry the global rank.
-- ``duration_s`` is host wall-clock seconds from issue to completion (for async calls: to
-  the return of ``wait()``). On CUDA, collectives are asynchronous to the host; pass
-  ``cuda_sync_timing=True`` to synchronise the device after each call so durations are
-  true device times (this serialises communication with compute: bench only).
+- ``duration_s`` is seconds from issue to completion (for async calls: to the return of
+  ``wait()``). On gloo it is host wall-clock time. On NCCL a call returns when the kernel is
+  ENQUEUED, so host time would be an enqueue time: on a CUDA device the call is bracketed by
+  two CUDA events on the current stream (recorded before the issue and after completion —
+  after ``wait()``, which makes the current stream wait for NCCL's stream) and the duration
+  is ``start.elapsed_time(end)``, resolved lazily when ``records`` is read (that waits for the
+  end event; nothing is serialised while the engine runs). ``cuda_sync_timing=True`` instead
+  synchronises the device after each call and uses host time (bench collectives' sweep).
 - Recording is cheap: a raw tuple is appended per call and the pydantic
   ``CollectiveRecord`` objects are built only when ``records`` is read.
 """
@@ -82,8 +86,7 @@ class CommHandle:
                 self._work.wait()
             if self._after is not None:
                 self._after()
-            self._comm._sync_device()
-            self._slot[6] = time.perf_counter() - self._t0
+            self._comm._stop(self._slot, self._t0)
             self._comm._dirty = True
             self._done = True
         return True
@@ -108,6 +111,7 @@ class _BaseComm:
         self._cache: list[CollectiveRecord] = []
         self._dirty = False
         self._cuda_sync = False
+        self._event_cls: Any = None  # torch.cuda.Event when collectives are timed with CUDA events
 
     _local = False
 
@@ -145,6 +149,11 @@ class _BaseComm:
     def records(self) -> list[CollectiveRecord]:
         """All collectives recorded since construction / ``reset()``, in issue order."""
         if self._dirty or len(self._cache) != len(self._raw):
+            for r in self._raw:
+                if isinstance(r[6], tuple):  # (start, end) CUDA events: device time of the call
+                    start, end = r[6]
+                    end.synchronize()
+                    r[6] = start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
             self._cache = [
                 CollectiveRecord.model_construct(
                     op=r[0], phase=r[1], buffer_bytes=r[2], dtype=r[3], group_size=r[4], group=r[5],
@@ -168,11 +177,29 @@ class _BaseComm:
     def _sync_device(self) -> None:
         pass
 
+    def _start(self) -> Any:
+        """Host clock, or a recorded CUDA start event when timing with events."""
+        if self._event_cls is not None:
+            ev = self._event_cls(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _stop(self, slot: list, t0: Any) -> None:
+        if self._event_cls is not None:
+            end = self._event_cls(enable_timing=True)
+            end.record()
+            slot[6] = (t0, end)
+            self._dirty = True
+            return
+        self._sync_device()
+        slot[6] = time.perf_counter() - t0
+
     def _run(self, op: str, nbytes: int, dtype: Any, issue: Any, async_op: bool, after: Any = None):
         slot = [op, self._phase, nbytes, _dtype_name(dtype), self._group_size, self.group_kind, None,
                 self._global_rank]
         self._raw.append(slot)
-        t0 = time.perf_counter()
+        t0 = self._start()
         work = issue(async_op)
         if self._local:
             work = None
@@ -180,9 +207,7 @@ class _BaseComm:
             return CommHandle(work, self, slot, t0, after)
         if after is not None:
             after()
-        if self._cuda_sync:
-            self._sync_device()
-        slot[6] = time.perf_counter() - t0
+        self._stop(slot, t0)
         return None
 
     # ----------------------------------------------------------------- validation
@@ -255,6 +280,10 @@ class InstrumentedComm(_BaseComm):
         self._rank = dist.get_rank(group)
         self._cuda_sync = cuda_sync_timing
         self._is_cuda = dist.get_backend(group) == "nccl"
+        if self._is_cuda and not cuda_sync_timing:
+            import torch
+
+            self.use_cuda_events(torch.cuda.Event)
         # torch >= 2.13 names them *_single (the *_tensor names warn FutureWarning).
         self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -262,6 +291,10 @@ class InstrumentedComm(_BaseComm):
     @property
     def rank(self) -> int:
         return self._rank
+
+    def use_cuda_events(self, event_cls: Any) -> None:
+        """Time every later call with ``event_cls`` (``torch.cuda.Event``; a stand-in in tests)."""
+        self._event_cls = event_cls
 
     def _sync_device(self) -> None:
         if self._cuda_sync and self._is_cuda:

@@ -57,6 +57,21 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
   ``offload_optimizer`` keeps the fp32 master, m, v, the fp32 gradient and (stages 2-3) the
   bit16 gradient partition on the host (pinned on CUDA; host memory, not device memory) and
   runs AdamW there, on CPU and CUDA alike.
+- ``mimic`` chooses whose allocations the engine reproduces. ``"planner"`` (the default on
+  CPU) keeps the accounting above, which is also the planner's. ``"deepspeed-cuda"`` (the
+  default on a CUDA device) does what DeepSpeed 0.19.8 does on CUDA, so that comparing the
+  engine with the planner is not circular:
+  * the optimizer is FusedAdam (``deepspeed/ops/adam/fused_adam.py``: ``multi_tensor_adam``
+    updates in chunks of 2048·32 elements in registers): no step temporary of the group's
+    size; the emulation here applies AdamW chunk by chunk (``FUSED_ADAM_CHUNK`` elements);
+  * ``DeepSpeedZeroOptimizer.step`` (stage_1_and_2.py) flattens the gradient partition,
+    converts it to fp32 and deletes the bit16 flat copy BEFORE ``_optimizer_step``;
+  * stage 1 with ``contiguous_gradients`` keeps per-parameter gradients until the boundary;
+    ``reduce_independent_p_g_buckets_and_remove_grads`` copies each into the ipg bucket and
+    re-points ``.grad`` into it (the full-size gradient is freed), and ``reduce_ipg_grads`` ->
+    ``copy_grads_in_partition`` copies the owned slices into ``grads_in_partition`` (sized by
+    the whole params overlapping the partition); ``step`` frees the gradients outside the
+    partition (``free_grad_in_param_list``) before flattening.
 - Not implemented: stage-3 param offload (``offload_param``), prefetch *ahead* of use (chunks
   are gathered on demand; the bytes and calls are DeepSpeed's), ZeRO++ (qwZ/hpZ/qgZ), fp16
   loss scaling (fp16 runs unscaled), gradient clipping.
@@ -67,7 +82,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ZeroEngine", "StepResult", "ceil_div", "greedy_buckets", "grad_span"]
+__all__ = ["ZeroEngine", "StepResult", "ceil_div", "greedy_buckets", "grad_span", "MIMICS", "FUSED_ADAM_CHUNK",
+           "resolve_mimic"]
+
+MIMICS = ("planner", "deepspeed-cuda")
+# deepspeed/ops/adam/fused_adam.py (0.19.8): multi_tensor_applier = MultiTensorApply(2048 * 32)
+FUSED_ADAM_CHUNK = 2048 * 32
+
+
+def resolve_mimic(mimic: str, device_type: str) -> str:
+    """"auto" -> "deepspeed-cuda" on a CUDA device, else "planner"."""
+    if mimic == "auto":
+        return "deepspeed-cuda" if device_type == "cuda" else "planner"
+    if mimic not in MIMICS:
+        raise ValueError(f"mimic {mimic!r}: expected auto, {' or '.join(MIMICS)}")
+    return mimic
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -144,7 +173,8 @@ class ZeroEngine:
     def __init__(self, model: Any, zero: Any, *, precision: str = "fp32", optimizer: str = "adamw",
                  comm: Any, grad_accum: int = 1, comm_model: str = "deepspeed",
                  offload_optimizer: bool | None = None, meter: Any = None, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 mimic: str = "auto") -> None:
         import torch
 
         from zeroplan.runtime.memory import NullMeter
@@ -190,6 +220,11 @@ class ZeroEngine:
             if p.dtype != self.dtype:
                 raise ValueError(f"parameter dtype {p.dtype} does not match precision {precision}")
         self.device = self.params[0].device
+        self.mimic = resolve_mimic(mimic, self.device.type)
+        self.fused_adam = self.mimic == "deepspeed-cuda"
+        # stage 1, DeepSpeed on CUDA: per-param grads freed into the bucket, grads_in_partition kept
+        self.ds_stage1_grads = (self.mimic == "deepspeed-cuda" and self.stage == 1 and self.ds
+                                and self.contiguous and not self.offload)
         self.host = torch.device("cpu")
         self.numels = [p.numel() for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
@@ -358,6 +393,8 @@ class ZeroEngine:
             for i in ps:
                 if i not in self._copied:
                     self._copy_into_bucket(k, i, source(i))
+                    if self.ds_stage1_grads:  # .grad re-pointed into the bucket: the full-size grad is freed
+                        self.params[i].grad = None
         else:
             buf = self._tag(torch.cat([source(i) for i in sorted(ps, key=lambda j: self.offsets[j])]), "buffers")
         self._bucket_bufs.pop(k, None)
@@ -450,7 +487,9 @@ class ZeroEngine:
     def _accumulate_owned(self, reduced: Any, a: int, b: int) -> None:
         """Averaged gradient slice [a, b) (flat coordinates) into this rank's partition."""
         reduced.div_(self.n)
-        if self.stage == 1:
+        if self.ds_stage1_grads:  # copy_grads_in_partition: owned slices into grads_in_partition
+            self._grad_part()[a - self.part_lo:b - self.part_lo].copy_(reduced)
+        elif self.stage == 1:
             self.flat_grad[a:b].copy_(reduced)
         else:
             self._grad_part()[a - self.part_lo:b - self.part_lo].add_(reduced.to(self.grad_part.device))
@@ -820,7 +859,7 @@ class ZeroEngine:
     def _before_backward(self) -> None:
         if self.stage == 0:
             self._attach_flat_grads(self.psi)
-        elif self.stage == 1:
+        elif self.stage == 1 and not self.ds_stage1_grads:
             self._attach_flat_grads(self.padded)
         elif self.stage == 2 and self.ds:
             self._alloc_ipg(2 if self.overlap else 1)
@@ -859,6 +898,9 @@ class ZeroEngine:
                     flat.div_(self.n)
                     self.flat_grad[lo:hi].copy_(flat)
                     del flat
+        elif self.ds_stage1_grads:
+            with torch.no_grad():
+                self._reduce_all_12(lambda i: self.params[i].grad.reshape(-1))
         elif self.stage == 1:
             with torch.no_grad():
                 fg = self.flat_grad
@@ -866,6 +908,15 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ the optimizer step
     def _adamw(self, master: Any, m: Any, v: Any, g32: Any) -> None:
+        if self.fused_adam and master.numel() > FUSED_ADAM_CHUNK:
+            # FusedAdam: chunk by chunk, no temporary of the group's size (fused_adam.py)
+            for lo in range(0, master.numel(), FUSED_ADAM_CHUNK):
+                hi = lo + FUSED_ADAM_CHUNK
+                self._adamw_one(master[lo:hi], m[lo:hi], v[lo:hi], g32[lo:hi])
+            return
+        self._adamw_one(master, m, v, g32)
+
+    def _adamw_one(self, master: Any, m: Any, v: Any, g32: Any) -> None:
         b1, b2 = self.betas
         t = self.step_count + 1
         if self.wd:
@@ -893,7 +944,11 @@ class ZeroEngine:
                     self.comm.all_reduce(norm)
                 return
             if self.stage in (1, 2):
-                if self.stage == 1:
+                if self.ds_stage1_grads:
+                    for p in self.params:  # free_grad_in_param_list before flattening
+                        p.grad = None
+                    src = self._grad_part()
+                elif self.stage == 1:
                     src = self.flat_grad[self.part_lo:self.part_lo + self.part_n]
                 else:
                     src = self._grad_part()
@@ -908,7 +963,7 @@ class ZeroEngine:
                     self.comm.all_reduce(norm)
                 lo = self.part_lo
                 self.comm.all_gather(self.flat_param, self.flat_param[lo:lo + self.part_n])
-                if self.stage == 1:
+                if self.stage == 1 and not self.ds_stage1_grads:
                     self._free_flat_grads()
                 else:
                     self.grad_part = None
@@ -955,6 +1010,8 @@ class ZeroEngine:
         else:
             flat = self._tag(grad16.clone(), "buffers")  # DeepSpeed's flatten of the averaged gradients
             g32 = self._tag(flat.float(), "buffers") if flat.dtype != torch.float32 else flat
+            if self.mimic == "deepspeed-cuda":
+                del flat  # stage_1_and_2.py step(): `del flat_grad_partition` before _optimizer_step
         self._norm_sq = torch.dot(g32, g32).to(torch.float64) if g32.numel() else torch.zeros((), dtype=torch.float64)
         self._adamw(master, m, v, g32)
         del g32

@@ -10,12 +10,20 @@ JSON-serialisable (pydantic models are dumped) and comes back in rank order.
 
 Faults: a rank that raises, dies (signal / non-zero exit) or is still running after
 ``timeout_s`` makes ``spawn`` kill every rank and raise ``RankError`` naming the rank(s) and
-the cause. Children are always killed and reaped in ``finally`` and are tied to the parent's
-life (PR_SET_PDEATHSIG on Linux), so no orphan process survives.
+the cause. Children are always killed and reaped in ``finally``, so no orphan survives:
 
-Multi-node runs use torchrun, the existing launcher: ``join_torchrun`` initialises the group
-from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and ``node_groups`` builds the intra-node
-and inter-node subgroups from LOCAL_WORLD_SIZE.
+- each rank's first act is ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (Linux: the kernel kills it
+  when the launcher dies), then it compares ``getppid()`` with the launcher's pid and exits if
+  the launcher died before the prctl (the first milliseconds after fork);
+- all ranks of one run share one process group (rank 0's pid), so the cleanup's ``killpg``
+  also reaches anything a rank started.
+
+NCCL: ``backend="auto"`` counts GPUs through NVML (``runtime/gpus.py``), never through
+``torch.cuda`` in the parent (a parent that initialised CUDA breaks every forked child), and
+``spawn`` refuses more ranks than visible GPUs before starting any (one GPU per rank).
+
+Multi-node runs use torchrun: ``join_torchrun`` and ``node_groups`` live in
+``runtime/torchrun.py`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -23,17 +31,27 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 from zeroplan._util import InputError, atomic_write_text
+from zeroplan.runtime.gpus import resolve_backend, visible_gpu_count
 from zeroplan.runtime.results import RankFailure
+from zeroplan.runtime.torchrun import (
+    NodeGroups,
+    check_timeout,
+    check_torchrun_env,
+    free_port,
+    join_torchrun,
+    jsonable,
+    node_groups,
+    node_layout,
+    under_torchrun,
+)
 
 __all__ = [
     "RankError",
@@ -45,6 +63,10 @@ __all__ = [
     "node_layout",
     "resolve_backend",
     "check_world_size",
+    "check_gpus_for",
+    "check_timeout",
+    "check_torchrun_env",
+    "free_port",
 ]
 
 _BYTES_PER_RANK_ESTIMATE = 200 * 2**20  # resident bytes a forked torch rank needs beyond the parent, roughly
@@ -68,17 +90,6 @@ class RankError(RuntimeError):
 
 
 # ------------------------------------------------------------------ helpers
-def resolve_backend(backend: str = "auto") -> str:
-    """'auto' -> 'nccl' when CUDA is available, else 'gloo'."""
-    if backend == "auto":
-        import torch
-
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise InputError(f"--backend {backend!r}: expected auto, gloo or nccl")
-    return backend
-
-
 def _mem_available_bytes() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -107,25 +118,33 @@ def check_world_size(nproc: int) -> None:
         )
 
 
-def _set_pdeathsig() -> None:
-    """Linux: the kernel sends SIGKILL to this process when its parent dies."""
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In a fresh child: be SIGKILLed when the launcher dies; exit now if it already has.
+
+    PR_SET_PDEATHSIG only covers a parent that dies AFTER the prctl; one SIGKILLed between fork
+    and prctl has already re-parented this child (to init or a subreaper), which the getppid
+    check sees. Linux only; elsewhere the getppid check still runs.
+    """
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
         pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json")
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return value
+def _join_group(pgid: int) -> None:
+    """Join the run's process group (``pgid`` 0: start it, as rank 0 does)."""
+    try:
+        os.setpgid(0, pgid)
+    except OSError:  # the group's last member is gone already: the per-pid cleanup still works
+        pass
 
 
 def _failure_kind(exc: BaseException) -> str:
@@ -155,12 +174,14 @@ def _signal_name(num: int) -> str:
 
 # ------------------------------------------------------------------ the child
 def _child_main(fn: Callable, rank: int, world_size: int, args: tuple, backend: str, store_path: str,
-                pg_timeout_s: float, env: dict[str, str] | None, result_dir: str) -> None:
+                pg_timeout_s: float, env: dict[str, str] | None, result_dir: str, parent_pid: int,
+                pgid: int) -> None:
     """Runs in the forked rank; never returns (os._exit), so no parent cleanup code runs twice."""
     code = 0
     out = Path(result_dir) / f"rank{rank}.json"
     try:
-        _set_pdeathsig()
+        _die_with_parent(parent_pid)
+        _join_group(pgid)
         import faulthandler
 
         stack_file = open(Path(result_dir) / f"rank{rank}.stack", "w")  # noqa: SIM115 - lives until os._exit
@@ -175,14 +196,18 @@ def _child_main(fn: Callable, rank: int, world_size: int, args: tuple, backend: 
         import torch.distributed as dist
 
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(rank)  # spawn checked rank < visible GPUs: one GPU per rank
         store = dist.FileStore(store_path, world_size)
         store.set_timeout(timedelta(seconds=pg_timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
+        # Every rank is connected before any rank can finish: gloo's init returns on a rank once
+        # ITS pairs are up, so a rank whose fn returns at once would otherwise tear its sockets
+        # down while a slower peer is still in connectFullMesh ("Connection closed by peer").
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args)
-            payload = {"ok": True, "value": _jsonable(value)}
+            payload = {"ok": True, "value": jsonable(value)}
         finally:
             try:
                 dist.destroy_process_group()
@@ -219,22 +244,48 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: tuple = (), backend: str 
     from multiprocessing.connection import wait as mp_wait
 
     check_world_size(nproc)
+    timeout_s = check_timeout(timeout_s)
     backend = resolve_backend(backend)
-    if timeout_s <= 0:
-        raise InputError(f"timeout {timeout_s!r}: expected seconds > 0")
+    if backend == "nccl":
+        check_gpus_for(nproc)
+    # Loaded once here and shared by every forked rank (copy-on-write), not imported by each rank
+    # inside its --timeout: 3-15 s per rank on a busy 2-core machine. Importing starts no thread.
+    import torch.distributed  # noqa: F401
+
     ctx = mp.get_context("fork")
     procs: list[Any] = []
+    me = os.getpid()
+    pgid = 0  # rank 0 starts the run's process group; the others join it
     with tempfile.TemporaryDirectory(prefix="zeroplan-spawn-") as result_dir:
         try:
             for rank in range(nproc):
                 p = ctx.Process(target=_child_main, name=f"zeroplan-rank{rank}", daemon=False,
                                 args=(fn, rank, nproc, tuple(args), backend, str(Path(result_dir) / "store"),
-                                      timeout_s, env, result_dir))
+                                      timeout_s, env, result_dir, me, pgid))
                 p.start()
                 procs.append(p)
+                try:  # the parent sets it too (as shells do), so neither order of the race matters
+                    os.setpgid(p.pid, pgid or p.pid)
+                except OSError:  # the child exited already, or set it itself
+                    pass
+                pgid = pgid or p.pid
             return _supervise(procs, result_dir, timeout_s, mp_wait, on_poll)
         finally:
-            _kill_all(procs)
+            _kill_all(procs, pgid)
+
+
+def check_gpus_for(nproc: int) -> None:
+    """NCCL needs one visible GPU per local rank: InputError before any rank starts."""
+    gpus = visible_gpu_count()
+    if nproc > gpus:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={shown!r})" if shown is not None else ""
+        raise InputError(
+            f"--nproc {nproc}: the nccl backend needs one GPU per rank and this machine has {gpus} visible "
+            f"GPU(s){where}; use --nproc {gpus} or --backend gloo" if gpus else
+            f"--nproc {nproc}: the nccl backend needs one GPU per rank and this machine has no visible GPU"
+            f"{where}; use --backend gloo"
+        )
 
 
 def _read_result(result_dir: str, rank: int) -> dict | None:
@@ -328,8 +379,27 @@ def _stacks(procs: list[Any], ranks: list[int], result_dir: str) -> dict[int, st
     return out
 
 
-def _kill_all(procs: list[Any]) -> None:
-    """SIGKILL every child still alive and reap it (no zombies, no orphans)."""
+def _group_is_ours(procs: list[Any], pgid: int) -> bool:
+    """True while one of our live children is still in ``pgid``: the kernel cannot reuse a pid
+    that is still a process group's id, so killpg then reaches only this run."""
+    for p in procs:
+        if p.pid is None or p.exitcode is not None:  # exitcode polls: a finished child is reaped
+            continue
+        try:
+            if os.getpgid(p.pid) == pgid:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _kill_all(procs: list[Any], pgid: int = 0) -> None:
+    """SIGKILL the run's process group and every child still alive; reap them (no zombies, no orphans)."""
+    if pgid and pgid != os.getpgrp() and _group_is_ours(procs, pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
     for p in procs:
         if p.pid is not None and p.exitcode is None:
             try:
@@ -341,153 +411,3 @@ def _kill_all(procs: list[Any]) -> None:
             p.join(timeout=10)
 
 
-# ------------------------------------------------------------------ torchrun
-def under_torchrun() -> bool:
-    """True when launched by torchrun (RANK, WORLD_SIZE and MASTER_ADDR in the environment)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def _init_from_env(backend: str, timeout_s: float) -> None:
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    addr = os.environ.get("MASTER_ADDR", "")
-    port = os.environ.get("MASTER_PORT", "")
-    if not port.isdigit():
-        raise InputError(f"environment MASTER_PORT={port!r}: expected a port number")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
-    try:
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - translate rendezvous failures into one clear line
-        text = str(exc)
-        if "EADDRINUSE" in text or "address already in use" in text.lower():
-            raise InputError(
-                f"environment MASTER_PORT={port}: port already in use on {addr}; pick a free "
-                f"--master-port for torchrun"
-            ) from None
-        if "timed out" in text.lower() or "timeout" in type(exc).__name__.lower():
-            raise InputError(
-                f"environment MASTER_ADDR={addr} MASTER_PORT={port}: rendezvous timed out after "
-                f"{timeout_s:g} s; are all {os.environ.get('WORLD_SIZE')} ranks started?"
-            ) from None
-        raise
-
-
-def _gather_json(value: Any, backend: str) -> list[Any]:
-    """Every rank's JSON value, in rank order, via two all_gathers of byte tensors (no pickle)."""
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    data = json.dumps(_jsonable(value)).encode("utf-8")
-    world = dist.get_world_size()
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = torch.zeros(world, dtype=torch.int64, device=device)
-    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    ag(lengths, length)
-    longest = int(lengths.max().item())
-    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    gathered = torch.zeros(world * longest, dtype=torch.uint8, device=device)
-    ag(gathered, buf)
-    host = gathered.cpu().view(world, longest)
-    return [json.loads(bytes(host[r, : int(lengths[r])].tolist()).decode("utf-8")) for r in range(world)]
-
-
-def join_torchrun(fn: Callable[..., Any], *, args: tuple = (), backend: str = "auto",
-                  timeout_s: float = 120) -> list[Any] | None:
-    """Under torchrun: init the group from the environment, run ``fn(rank, world_size, *args)``
-    for this rank, and gather every rank's JSON result.
-
-    Returns the results in rank order on rank 0 and ``None`` on every other rank (rank 0
-    reports). Process-group timeout ``timeout_s`` seconds; the group is destroyed before
-    returning when this call created it.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if not under_torchrun():
-        raise InputError("join_torchrun: RANK, WORLD_SIZE and MASTER_ADDR are not set; launch with torchrun")
-    backend = resolve_backend(backend)
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    owns = not dist.is_initialized()
-    _init_from_env(backend, timeout_s)
-    try:
-        value = fn(dist.get_rank(), dist.get_world_size(), *args)
-        results = _gather_json(value, backend)
-        return results if dist.get_rank() == 0 else None
-    finally:
-        if owns:
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-
-
-# ------------------------------------------------------------------ node groups
-def node_layout(world_size: int, gpus_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(intra-node rank lists, inter-node rank lists) for contiguous rank placement.
-
-    Node k holds ranks [k·g, (k+1)·g); the inter-node groups link ranks with the same local
-    rank: [l, l+g, l+2g, ...]. Pure Python (no torch).
-    """
-    if gpus_per_node < 1 or world_size < 1:
-        raise InputError(f"gpus per node {gpus_per_node} / world size {world_size}: expected >= 1")
-    if world_size % gpus_per_node:
-        raise InputError(
-            f"world size {world_size} is not a multiple of {gpus_per_node} GPUs per node"
-        )
-    nodes = world_size // gpus_per_node
-    intra = [list(range(k * gpus_per_node, (k + 1) * gpus_per_node)) for k in range(nodes)]
-    inter = [list(range(local, world_size, gpus_per_node)) for local in range(gpus_per_node)]
-    return intra, inter
-
-
-@dataclass
-class NodeGroups:
-    """This rank's intra-node and inter-node subgroups and their member ranks (global ranks)."""
-
-    intra: Any
-    inter: Any
-    intra_ranks: list[int] = field(default_factory=list)
-    inter_ranks: list[int] = field(default_factory=list)
-    gpus_per_node: int = 1
-    nodes: int = 1
-
-
-def node_groups(world_size: int, gpus_per_node: int | None = None) -> NodeGroups:
-    """Create the intra-node and inter-node subgroups (collective: every rank must call it).
-
-    ``gpus_per_node`` defaults to LOCAL_WORLD_SIZE (set by torchrun), else the whole world is
-    one node. Tag collectives on them with ``InstrumentedComm(g.intra, group_kind="intra-node")``.
-    """
-    import torch.distributed as dist
-
-    if gpus_per_node is None:
-        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    intra, inter = node_layout(world_size, gpus_per_node)
-    me = dist.get_rank()
-    mine_intra = mine_inter = None
-    intra_ranks: list[int] = []
-    inter_ranks: list[int] = []
-    for ranks in intra:  # every rank creates every group, in the same order
-        g = dist.new_group(ranks)
-        if me in ranks:
-            mine_intra, intra_ranks = g, ranks
-    for ranks in inter:
-        g = dist.new_group(ranks)
-        if me in ranks:
-            mine_inter, inter_ranks = g, ranks
-    return NodeGroups(intra=mine_intra, inter=mine_inter, intra_ranks=intra_ranks, inter_ranks=inter_ranks,
-                      gpus_per_node=gpus_per_node, nodes=world_size // gpus_per_node)
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1 (for tests and examples)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -152,12 +152,16 @@ def param_units(model: Any) -> list[tuple[str, Any, list[tuple[str, Any]]]]:
 
 
 def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed: int = 0,
-                check_count: bool = True) -> "ZeroModel":
+                check_count: bool = True, checkpointing: str = "none") -> "ZeroModel":
     """A ``ZeroModel`` with parameters exactly ``spec.tensors`` (names, shapes, ties), on ``device``.
 
     ``dtype``: a torch dtype or "fp32"/"bf16"/"fp16". Raises ``ValueError`` when the spec has no
     tensors or (``check_count``, non-approximate specs) Σ numel != ``spec.params``.
+    ``checkpointing``: "none" or "full" (every transformer layer recomputed in backward with
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; only the layer inputs are kept).
     """
+    if checkpointing not in ("none", "full"):
+        raise ValueError(f"checkpointing {checkpointing!r}: the runtime model implements none or full")
     torch, F, nn, Holder, TiedHead = _make_classes()
     dtype = _resolve_dtype(torch, dtype)
     if not spec.tensors:
@@ -169,6 +173,7 @@ def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed
 
     root = ZeroModelImpl()
     root.spec_name = spec.name
+    root.checkpointing = checkpointing
     root.model_type = spec.model_type
     root.n_heads = spec.num_attention_heads
     root.n_kv = spec.num_key_value_heads or spec.num_attention_heads
@@ -374,23 +379,35 @@ def _forward(root: Any, torch: Any, F: Any, input_ids: Any) -> Any:
     if "pos" in pre:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = x + pre["pos"](pos).unsqueeze(0)
-    for lay in root.plan_layers:
-        norms = lay["norms"]
-        mlp = (lambda h: _moe(root, lay, h, torch, F)) if lay["experts"] else (lambda h: _mlp(lay, h, F))
-        if root.parallel:
-            a_in = norms[0](x) if norms else x
-            m_in = norms[1](x) if len(norms) > 1 else a_in
-            x = x + _attention(root, lay, a_in, torch, F) + mlp(m_in)
-        elif len(norms) >= 4:  # pre + post norms around both sub-layers (gemma2-style)
-            x = x + norms[1](_attention(root, lay, norms[0](x), torch, F))
-            x = x + norms[3](mlp(norms[2](x)))
-        else:
-            h = norms[0](x) if norms else x
-            x = x + _attention(root, lay, h, torch, F)
-            h = norms[1](x) if len(norms) > 1 else x
-            x = x + mlp(h)
+    if getattr(root, "checkpointing", "none") == "full":
+        from torch.utils.checkpoint import checkpoint
+
+        for lay in root.plan_layers:
+            x = checkpoint(_layer, root, lay, x, torch, F, use_reentrant=False)
+    else:
+        for lay in root.plan_layers:
+            x = _layer(root, lay, x, torch, F)
     for norm in root.plan_post_norms:
         x = norm(x)
     logits = root.plan_head(x)
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                            input_ids[:, 1:].reshape(-1))
+
+
+def _layer(root: Any, lay: dict, x: Any, torch: Any, F: Any) -> Any:
+    """One transformer block: x -> x + attention + MLP (parallel or sequential)."""
+    norms = lay["norms"]
+    mlp = (lambda h: _moe(root, lay, h, torch, F)) if lay["experts"] else (lambda h: _mlp(lay, h, F))
+    if root.parallel:
+        a_in = norms[0](x) if norms else x
+        m_in = norms[1](x) if len(norms) > 1 else a_in
+        x = x + _attention(root, lay, a_in, torch, F) + mlp(m_in)
+    elif len(norms) >= 4:  # pre + post norms around both sub-layers (gemma2-style)
+        x = x + norms[1](_attention(root, lay, norms[0](x), torch, F))
+        x = x + norms[3](mlp(norms[2](x)))
+    else:
+        h = norms[0](x) if norms else x
+        x = x + _attention(root, lay, h, torch, F)
+        h = norms[1](x) if len(norms) > 1 else x
+        x = x + mlp(h)
+    return x

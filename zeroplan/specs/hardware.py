@@ -108,7 +108,7 @@ class OverheadSpec(_Strict):
     """Framework allowances per GPU, reported as their own memory category."""
 
     cuda_context_bytes: int  # CUDA/HIP context + library workspaces
-    nccl_bytes: int  # communicator buffers
+    nccl_bytes: int  # NCCL buffers per communicator (core/allocator.py counts the communicators)
     fragmentation_fraction: float  # of the live peak (caching-allocator slack)
 
 

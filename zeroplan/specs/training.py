@@ -20,7 +20,19 @@ __all__ = [
     "TrainingSetup",
     "get_precision",
     "get_optimizer",
+    "OPTIMIZER_IMPLS",
+    "GRAD_ACCUM_DTYPES",
 ]
+
+# How the Adam step is executed on the GPU (what it allocates beside the states; core/memory_states.py):
+#   fused-adam     DeepSpeed FusedAdam (a DeepSpeed config `optimizer` block on CUDA)
+#   torch-foreach  torch.optim.Adam/AdamW with foreach (a client optimizer, or `torch_adam: true`)
+#   torch-fused    torch.optim.Adam/AdamW(fused=True)
+#   torch-single   torch.optim.Adam/AdamW(foreach=False): one tensor at a time
+#   cpu-adam       DeepSpeedCPUAdam (optimizer offload): the step runs on the host
+OPTIMIZER_IMPLS = ("fused-adam", "torch-foreach", "torch-fused", "torch-single", "cpu-adam")
+# data_types.grad_accum_dtype (None = the model dtype, DeepSpeed's default)
+GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
 
 
 class PrecisionPreset(BaseModel):
@@ -97,6 +109,9 @@ class TrainingSetup(BaseModel):
     grad_accum: int = Field(1, ge=1)
     checkpointing: Literal["none", "selective", "full"] = "none"
     flash_attention: bool = True
+    optimizer_impl: Literal["fused-adam", "torch-foreach", "torch-fused", "torch-single", "cpu-adam"] = "fused-adam"
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     @property
     def optimizer_bytes_per_param(self) -> float:

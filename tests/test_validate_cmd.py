@@ -1,0 +1,214 @@
+"""`zeroplan validate` without a GPU: one line and exit 2; every measurement that means the
+same on a CPU is run there; the JSON/markdown writer on synthetic measurements."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _synthetic():
+    from zeroplan.bench.gpu_validate import row
+
+    return {"environment": {"device": "cuda", "gpu": "H100", "torch": "2.13.0"},
+            "inputs": {"model": "llama-2-7b", "gpus": 8},
+            "rows": [row("optimizer foreach", "step temporaries per element", 4.0, 4.0, unit="bytes/element"),
+                     row("activations", "one layer | saved", 1000, 1250),
+                     row("context", "CUDA context", None, 512 * 2**20),
+                     row("multi-gpu", "skipped", None, None, unit="", note="1 GPU(s)")],
+            "command": "zeroplan validate --output out"}
+
+
+# ------------------------------------------------------------------ the writer
+def test_writer_json_and_markdown(tmp_path):
+    from zeroplan.bench.validate_report import render_markdown, write_validation
+
+    rep = _synthetic()
+    js, md = write_validation(rep, str(tmp_path / "out"))
+    assert json.loads(js.read_text()) == rep
+    text = md.read_text()
+    assert "```\nzeroplan validate --output out\n```" in text
+    assert "| check | figure | predicted | measured | unit | error | note |" in text
+    assert "| activations | one layer \\| saved | 1,000 | 1,250 | bytes | +25.0% |" in text
+    assert "| context | CUDA context | - | 536,870,912 | bytes | - |" in text
+    assert text == render_markdown(rep)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["validation.json", "validation.md"]
+
+
+def test_writer_refuses_a_file_and_writes_nothing_for_a_bad_report(tmp_path):
+    from zeroplan._util import InputError
+    from zeroplan.bench.validate_report import write_validation
+
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(InputError, match="not a directory"):
+        write_validation(_synthetic(), str(f))
+    bad = _synthetic()
+    bad["rows"][0]["measured"] = math.nan
+    with pytest.raises(ValueError):
+        write_validation(bad, str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()
+
+
+def test_row_error():
+    from zeroplan.bench.gpu_validate import row
+
+    assert row("c", "f", 100, 110)["error"] == pytest.approx(0.1)
+    assert row("c", "f", 0, 110)["error"] is None and row("c", "f", None, 1)["error"] is None
+
+
+# ------------------------------------------------------------------ the command
+def test_validate_without_cuda_is_one_line_exit_2(tmp_path):
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, "-m", "zeroplan", "validate", "--output", str(tmp_path / "o")],
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "no CUDA device:" in lines[0] and "Traceback" not in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_validate_bad_checks_is_bad_input(tmp_path):
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, "-m", "zeroplan", "validate", "--output", str(tmp_path), "--checks", "gpu"],
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 2 and "--checks 'gpu'" in r.stderr
+
+
+def test_validate_with_cuda_writes_both_files(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    from zeroplan.bench import gpu_validate
+    from zeroplan.cli import app
+    from zeroplan.commands import validate as cmd
+
+    seen = {}
+
+    def fake_run(device, **kw):
+        seen.update(kw, device=device)
+        return _synthetic()
+
+    monkeypatch.setattr(cmd, "cuda_status", lambda: (True, "1 device(s)"))
+    monkeypatch.setattr(gpu_validate, "run_validation", fake_run)
+    r = CliRunner().invoke(app, ["validate", "--output", str(tmp_path / "v"), "--gpus", "16", "--checks",
+                                 "optimizer,deepspeed"])
+    assert r.exit_code == 0, r.output
+    assert seen["device"] == "cuda" and seen["gpus"] == 16 and seen["checks"] == ("optimizer", "deepspeed")
+    assert (tmp_path / "v" / "validation.json").exists() and (tmp_path / "v" / "validation.md").exists()
+
+
+# ------------------------------------------------------------------ measurements on the CPU
+def test_optimizer_temporaries_foreach_vs_fused_on_cpu():
+    pytest.importorskip("torch")
+    from zeroplan.bench.gpu_validate import measure_optimizer_temps
+
+    rows = {r["check"]: r for r in measure_optimizer_temps("cpu", numel=1 << 14)}
+    # torch AdamW foreach allocates one fp32 temporary of the tensor's size (4 B/element, torch/optim/adamw.py
+    # _multi_tensor_adam: exp_avg_sq_sqrt); fused=True updates in place
+    assert rows["optimizer foreach"]["measured"] == 4.0
+    assert rows["optimizer fused"]["measured"] == 0.0
+    assert rows["optimizer fused_adam"]["figure"] == "skipped"
+
+
+def test_context_is_cuda_only():
+    from zeroplan.bench.gpu_validate import measure_context
+
+    assert measure_context("cpu")[0]["figure"] == "skipped"
+
+
+def test_layer_activations_of_a_real_transformers_layer_on_cpu():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from zeroplan.bench.gpu_validate import measure_layer_activations
+    from zeroplan.bench.validate import scaled_spec
+    from zeroplan.specs.model import load_model
+
+    spec = scaled_spec(load_model("llama-2-7b"), layers=1, hidden=64)
+    b, s = 2, 16
+    (r,) = measure_layer_activations("cpu", spec, seq_len=s, micro_batch=b, precision="bf16")
+    h, ffn = spec.hidden_size, spec.intermediate_size
+    # at least the bf16 input of each of q/k/v/o/gate/up/down's GEMMs: 2 norm outputs + attention output +
+    # the gate/up outputs' product = 3·sbh + sb·ffn elements of 2 bytes
+    assert r["measured"] >= 2 * (3 * b * s * h + b * s * ffn)
+    assert r["predicted"] > 0 and "LlamaDecoderLayer" in r["figure"]
+
+
+def test_engine_peak_on_cpu_has_no_reserved_row():
+    pytest.importorskip("torch")
+    from zeroplan.bench.gpu_validate import measure_engine_peak
+    from zeroplan.bench.validate import scaled_spec
+    from zeroplan.specs.deepspeed_config import ZeroConfig
+    from zeroplan.specs.model import load_model
+
+    spec = scaled_spec(load_model("llama-2-7b"))
+    rows = measure_engine_peak("cpu", spec, ZeroConfig(stage=2, reduce_bucket_size=10000), precision="bf16",
+                               micro_batch=1, seq_len=16)
+    assert len(rows) == 1 and rows[0]["measured"] > 2 * spec.params and "planner" in rows[0]["note"]
+
+
+def test_multi_gpu_checks_skip_on_one_gpu_and_compare_a_sweep():
+    from zeroplan.bench.gpu_validate import multi_gpu_checks
+    from zeroplan.specs.hardware import load_profile
+
+    assert multi_gpu_checks(1)[0]["figure"] == "skipped"
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_bench_ux import _report
+
+    alpha, beta = 20e-6, 100e9
+    fake = _report({s: alpha + s / beta for s in (1 << 20, 1 << 22, 1 << 24, 1 << 26)})
+    rows = multi_gpu_checks(2, load_profile(str(REPO / "hardware_profiles" / "dgx-h100.toml")),
+                            run=lambda cfg, **kw: fake)
+    bw = [r for r in rows if "α–β bandwidth" in r["figure"]][0]
+    assert bw["measured"] == pytest.approx(beta / 1e9, rel=1e-6) and bw["predicted"] > 0
+    assert sum(r["figure"].endswith("busbw") for r in rows) == 4
+
+
+def test_real_deepspeed_as_rank0_of_8_on_the_fake_group_cpu():
+    pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    code = r"""
+import json, os
+os.environ["DS_ACCELERATOR"] = "cpu"
+from zeroplan.bench.gpu_validate import measure_deepspeed_virtual
+from zeroplan.bench.validate import _zero_config, predict, scaled_spec
+from zeroplan.specs.model import load_model
+spec = scaled_spec(load_model("llama-2-7b"), layers=2, hidden=64)
+plan = predict(spec, _zero_config(2, None), precision="bf16", micro_batch=1, seq_len=16, grad_accum=1, n=8)
+rows = measure_deepspeed_virtual("cpu", spec, n=8, stage=2, precision="bf16", micro_batch=1, seq_len=16, plan=plan)
+print("RESULT" + json.dumps(rows))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(r.stdout[r.stdout.index("RESULT") + 6:].splitlines()[0])
+    # bf16 stage 2, rank 0 of 8: 2Ψ params + 12Ψ/8 optimizer states (padding aside) — DeepSpeed, not zeroplan
+    psi = 164672
+    assert row["measured"] == pytest.approx(2 * psi + 12 * psi / 8, rel=0.02)
+    assert abs(row["error"]) < 0.1
+
+
+def test_run_validation_keeps_going_when_one_check_fails(monkeypatch):
+    pytest.importorskip("torch")
+    from zeroplan.bench import gpu_validate as gv
+
+    def broken(device):
+        raise RuntimeError("cuBLAS failed to initialise")
+
+    monkeypatch.setattr(gv, "measure_context", broken)
+    rep = gv.run_validation("cpu", model="llama-2-7b", layers=1, hidden=64, seq_len=16,
+                            checks=("context", "optimizer", "multi-gpu"))
+    by = {r["check"]: r for r in rep["rows"]}
+    assert by["context"]["figure"] == "failed" and "cuBLAS" in by["context"]["note"]
+    assert by["optimizer foreach"]["measured"] == 4.0
+    assert by["optimizer foreach"]["predicted"] == 4.0  # the planner's optimizer_temp / Ψ
+    assert by["multi-gpu"]["figure"] == "skipped"
+    assert rep["environment"]["device"] == "cpu" and rep["inputs"]["scaled"]["layers"] == 1

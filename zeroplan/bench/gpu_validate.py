@@ -1,0 +1,378 @@
+"""`zeroplan validate`: measure what a GPU node really allocates and set it beside the planner.
+
+Every measurement takes a ``device`` ("cuda" on the node; "cpu" where the figure means the
+same thing there, which is how the functions are unit-tested) and returns rows of
+``{"check", "figure", "predicted", "measured", "unit", "note"}`` (bytes unless ``unit`` says
+otherwise; ``predicted`` None when the planner has no such figure):
+
+- ``measure_context``: CUDA context + library workspace (cuBLAS) = device memory in use
+  (``mem_get_info``) that the caching allocator does not account for. CUDA only.
+- ``measure_optimizer_temps``: peak bytes one optimizer step allocates beyond its states,
+  per element, for torch AdamW foreach / fused and DeepSpeed FusedAdam (CUDA, when DeepSpeed
+  and its op build are available); the planner charges 4 B/element (core/memory.py).
+- ``measure_layer_activations``: bytes autograd saves for one real transformers
+  ``LlamaDecoderLayer`` (``torch.autograd.graph.saved_tensors_hooks``, storages counted once,
+  parameters excluded) vs ``core.activations.layer_activation_bytes``.
+- ``measure_engine_peak``: the bundled engine (DeepSpeed-on-CUDA mimic) for one step on
+  this device: allocated and reserved at the peak (reserved only on CUDA).
+- ``measure_deepspeed_virtual``: REAL DeepSpeed as rank 0 of a virtual ``n``-GPU job on
+  real tensors: torch's fake process group answers every collective, so rank 0 allocates
+  exactly what it would in an ``n``-rank job; compared with the planner at ``--gpus n``.
+- ``multi_gpu_checks``: with >= 2 GPUs, an NCCL collective sweep and α–β fit against the
+  profile (communicators, overlap); skipped with the reason otherwise.
+
+``run_validation`` runs all of them and returns the report that
+``zeroplan.bench.validate_report`` writes as JSON and markdown.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any, Callable
+
+__all__ = ["row", "measure_context", "measure_optimizer_temps", "measure_layer_activations",
+           "measure_engine_peak", "measure_deepspeed_virtual", "multi_gpu_checks", "run_validation",
+           "OPTIMIZER_IMPLS"]
+
+OPTIMIZER_IMPLS = ("foreach", "fused", "fused_adam")
+
+
+def row(check: str, figure: str, predicted: float | None, measured: float | None, *, unit: str = "bytes",
+        note: str = "") -> dict[str, Any]:
+    """One predicted-vs-measured row (error = measured/predicted - 1 when both are there)."""
+    err = None
+    if predicted not in (None, 0) and measured is not None:
+        err = (measured - predicted) / predicted
+    return {"check": check, "figure": figure, "predicted": predicted, "measured": measured, "unit": unit,
+            "error": err, "note": note}
+
+
+def _skip(check: str, why: str) -> dict[str, Any]:
+    return row(check, "skipped", None, None, unit="", note=why)
+
+
+# ---------------------------------------------------------------------- context
+def measure_context(device: str, *, cuda: Any = None) -> list[dict[str, Any]]:
+    """Device memory in use outside the caching allocator: CUDA context, then + cuBLAS workspace."""
+    if device != "cuda":
+        return [_skip("context", "CUDA context memory exists on CUDA devices only")]
+    import torch
+
+    cuda = cuda if cuda is not None else torch.cuda
+    dev = cuda.current_device()
+    cuda.init()
+    free, total = cuda.mem_get_info(dev)
+    ctx = int(total - free - cuda.memory_reserved(dev))
+    a = torch.ones(256, 256, device="cuda")
+    (a @ a).sum().item()  # first GEMM: cuBLAS handle and workspace
+    cuda.synchronize(dev)
+    free2, _ = cuda.mem_get_info(dev)
+    with_ws = int(total - free2 - cuda.memory_reserved(dev))
+    del a
+    return [row("context", "CUDA context (used - reserved, before any kernel)", None, ctx),
+            row("context", "context + cuBLAS workspace after the first GEMM", None, with_ws),
+            row("context", "device total memory", None, int(total))]
+
+
+# ---------------------------------------------------------------------- optimizer
+def _make_optimizer(impl: str, params: list, torch: Any) -> Any:
+    if impl == "foreach":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True, fused=False)
+    if impl == "fused":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    from deepspeed.ops.adam import FusedAdam  # CUDA: JIT-builds the multi_tensor_adam op
+
+    return FusedAdam(params, lr=1e-3, adam_w_mode=True)
+
+
+def measure_optimizer_temps(device: str, numel: int = 1 << 22,
+                            impls: tuple[str, ...] = OPTIMIZER_IMPLS,
+                            predicted_per_element: float | None = 4.0) -> list[dict[str, Any]]:
+    """Peak bytes beyond the states during one AdamW step over an fp32 tensor of ``numel``."""
+    import torch
+
+    from zeroplan.runtime.memory import StorageTracker
+
+    out = []
+    for impl in impls:
+        if impl == "fused_adam" and device != "cuda":
+            out.append(_skip(f"optimizer {impl}", "DeepSpeed FusedAdam is a CUDA kernel"))
+            continue
+        try:
+            p = torch.nn.Parameter(torch.zeros(numel, device=device))
+            p.grad = torch.full_like(p, 1e-3)
+            opt = _make_optimizer(impl, [p], torch)
+            opt.step()  # creates the states (exp_avg, exp_avg_sq, step)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                opt.step()
+                torch.cuda.synchronize()
+                extra = torch.cuda.max_memory_allocated() - base
+            else:
+                tracker = StorageTracker()
+                with tracker:
+                    opt.step()
+                extra = tracker.phase_peaks().get("forward", {}).get("peak", 0)
+        except Exception as exc:  # noqa: BLE001 - an unavailable implementation is a skipped row
+            out.append(_skip(f"optimizer {impl}", f"{type(exc).__name__}: {exc}"[:300]))
+            continue
+        pred = predicted_per_element if impl == "foreach" else (0.0 if predicted_per_element is not None else None)
+        out.append(row(f"optimizer {impl}", "step temporaries per element", pred, extra / numel,
+                       unit="bytes/element",
+                       note=f"peak beyond states over {numel:,} fp32 elements; planner: 4 B/element for foreach"))
+        del opt, p
+    return out
+
+
+# ---------------------------------------------------------------------- activations
+def measure_layer_activations(device: str, spec: Any, *, seq_len: int, micro_batch: int,
+                              precision: str = "bf16") -> list[dict[str, Any]]:
+    """Saved-for-backward bytes of one transformers LlamaDecoderLayer at ``spec``'s width."""
+    try:
+        import transformers  # noqa: F401
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    except Exception as exc:  # noqa: BLE001
+        return [_skip("activations", f"transformers is not importable: {exc}"[:300])]
+    import torch
+
+    from zeroplan.core.activations import layer_activation_bytes
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    cfg = LlamaConfig(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+                      num_key_value_heads=spec.num_key_value_heads or spec.num_attention_heads,
+                      intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size, num_hidden_layers=1,
+                      head_dim=spec.head_dim)
+    cfg._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(cfg, layer_idx=0).to(device=device, dtype=dtype)
+    rope = LlamaRotaryEmbedding(cfg).to(device)
+    params = {id(p.untyped_storage()) for p in layer.parameters()}
+    x = torch.randn(micro_batch, seq_len, spec.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    pos_ids = torch.arange(seq_len, device=device).unsqueeze(0).expand(micro_batch, -1)
+    cos_sin = rope(x, pos_ids)
+    saved: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return t
+        if id(st) not in params:
+            saved[id(st)] = int(st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x, position_embeddings=cos_sin, position_ids=pos_ids)
+    out = out[0] if isinstance(out, tuple) else out
+    measured = sum(saved.values())
+    out.float().sum().backward()
+    act_bytes = 4 if precision == "fp32" else 2
+    pred = layer_activation_bytes(spec, seq_len, micro_batch, act_bytes, flash_attention=True)
+    return [row("activations", f"one LlamaDecoderLayer, saved for backward (transformers "
+                f"{transformers.__version__}, sdpa, {precision}, b={micro_batch}, s={seq_len}, h={spec.hidden_size})",
+                pred, measured, note="planner: core.activations.layer_activation_bytes (flash attention)")]
+
+
+# ---------------------------------------------------------------------- engine peak
+def measure_engine_peak(device: str, spec: Any, zero: Any, *, precision: str, micro_batch: int,
+                        seq_len: int, n: int = 1, plan: Any = None) -> list[dict[str, Any]]:
+    """The bundled engine on this device for 2 steps (rank 0 of ``n`` via LocalComm copies):
+    allocated and, on CUDA, reserved at the highest phase peak of the second step."""
+    import torch
+
+    from zeroplan.runtime.comm import LocalComm
+    from zeroplan.runtime.engine import ZeroEngine
+    from zeroplan.runtime.memory import make_meter
+    from zeroplan.runtime.model import build_model
+
+    dev = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    meter = make_meter(dev)
+    with meter:
+        model = build_model(spec, precision, dev, seed=0)
+        eng = ZeroEngine(model, zero, precision=precision, comm=LocalComm(n), meter=meter)
+        gen = torch.Generator().manual_seed(0)
+        for s in range(2):
+            if s == 1:
+                meter.reset_peaks()
+            eng.train_step([torch.randint(0, spec.vocab_size, (micro_batch, seq_len), generator=gen).to(dev)])
+        eng.close()
+    peaks = meter.phase_peaks()
+    phase, top = max(peaks.items(), key=lambda kv: kv[1]["peak"])
+    rows = [row("engine", f"peak allocated ({phase}), stage {zero.stage}, N={n}",
+                getattr(getattr(plan, "memory", None), "peak", None), top["peak"],
+                note=f"bundled engine, mimic {eng.mimic}")]
+    if "reserved_peak" in top:
+        rows.append(row("engine", f"peak reserved ({phase}) / allocated", None,
+                        top["reserved_peak"] / top["peak"] if top["peak"] else None, unit="ratio",
+                        note="max_memory_reserved / max_memory_allocated in the peak phase"))
+    return rows
+
+
+# ---------------------------------------------------------------------- DeepSpeed, virtual N
+def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, precision: str, micro_batch: int,
+                              seq_len: int, plan: Any = None, steps: int = 3) -> list[dict[str, Any]]:
+    """REAL DeepSpeed as rank 0 of ``n`` ranks on the fake process group (needs a process with
+    no torch.distributed group yet; ``zeroplan validate`` is one)."""
+    try:
+        import deepspeed
+    except Exception as exc:  # noqa: BLE001
+        return [_skip("deepspeed", f"DeepSpeed is not importable: {exc}"[:300])]
+    import torch
+    import torch.distributed as dist
+
+    from zeroplan.bench.deepspeed_engine import (_collect_storages, _disable_shm_comm_op, _memory_by_category,
+                                                  make_ds_config)
+    from zeroplan.runtime.model import build_model
+    from zeroplan.runtime.simulate import _private_apis
+
+    import os
+
+    _, FakeStore = _private_apis()
+    if dist.is_initialized():
+        return [_skip("deepspeed", "torch.distributed is already initialised in this process")]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # DeepSpeed's launcher contract
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    _disable_shm_comm_op()
+    dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+    try:
+        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+        cfg = make_ds_config(stage=stage, precision=precision, micro_batch=micro_batch, grad_accum=1,
+                             comms_logger=False)
+        if device == "cuda":
+            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}  # FusedAdam, as users run it
+            opt = None
+        model = build_model(spec, "fp32", "cpu", seed=0)
+        if device != "cuda":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        dev = engine.device
+        for s in range(steps):
+            if s == steps - 1 and device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len)).to(dev)
+            engine.backward(engine(ids))
+            engine.step()
+        states = _memory_by_category(_collect_storages(engine))
+        mem = getattr(plan, "memory", None)
+        # after the step DeepSpeed has freed the gradient partition: compare what persists
+        pred_states = None if mem is None else mem.params + mem.optimizer_states
+        meas_states = sum(states.get(c, 0) for c in ("params", "optimizer_states"))
+        rows = [row("deepspeed", f"rank 0 of {n}: params + optimizer states (stage {stage}, {precision})",
+                    pred_states, meas_states,
+                    note=f"real DeepSpeed {deepspeed.__version__} on the fake process group, {device}")]
+        if device == "cuda":
+            torch.cuda.synchronize()
+            rows.append(row("deepspeed", f"rank 0 of {n}: peak allocated", getattr(mem, "peak", None),
+                            int(torch.cuda.max_memory_allocated())))
+            rows.append(row("deepspeed", f"rank 0 of {n}: peak reserved", getattr(mem, "reserved", None),
+                            int(torch.cuda.max_memory_reserved())))
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+        return rows
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---------------------------------------------------------------------- several GPUs
+def multi_gpu_checks(gpu_count: int, hardware: Any = None, *,
+                     run: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
+    """An NCCL all-reduce / all-gather sweep over every GPU and its α–β fit vs the profile."""
+    if gpu_count < 2:
+        return [_skip("multi-gpu", f"{gpu_count} GPU(s): communicators, overlap and α–β need at least 2")]
+    from zeroplan.bench.collectives import BenchConfig, add_predictions, fit_tiers, run_collectives
+
+    cfg = BenchConfig(ops=["all_reduce", "all_gather", "reduce_scatter"], min_bytes=1 << 20, max_bytes=1 << 28,
+                      factor=4, dtype="bfloat16", warmup=5, iters=20)
+    report = (run or run_collectives)(cfg, nproc=gpu_count, backend="nccl", timeout_s=300)
+    if hardware is not None:
+        add_predictions(report, hardware)
+    rows = [row("multi-gpu", f"{r.op} {r.size_bytes:,} B busbw", r.predicted_busbw_GBps, r.busbw_GBps,
+                unit="GB/s") for r in report.results]
+    for tier, f in fit_tiers(report).items():
+        link = getattr(hardware, tier, None)
+        rows.append(row("multi-gpu", f"{tier} α–β bandwidth (R² {f.r2:.3f})",
+                        getattr(link, "effective_GBps_per_gpu", None), f.bandwidth_GBps, unit="GB/s"))
+        rows.append(row("multi-gpu", f"{tier} α–β latency", getattr(link, "latency_us", None), f.latency_us,
+                        unit="µs"))
+    return rows
+
+
+# ---------------------------------------------------------------------- everything
+def environment(device: str) -> dict[str, Any]:
+    """Versions and the device, for the report."""
+    import torch
+
+    env: dict[str, Any] = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
+                           "host": platform.node()}
+    for mod in ("deepspeed", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            env[mod] = None
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(gpu=props.name, gpu_count=torch.cuda.device_count(), cuda=torch.version.cuda,
+                   gpu_total_bytes=int(props.total_memory))
+    return env
+
+
+def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, precision: str = "bf16",
+                   micro_batch: int = 1, seq_len: int = 512, layers: int = 2, hidden: int | None = None,
+                   hardware: Any = None, checks: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Every check on ``device``; returns {"environment", "inputs", "rows"}."""
+    from zeroplan.bench.validate import _zero_config, predict, scaled_spec
+    from zeroplan.specs.model import load_model
+
+    full = load_model(model)
+    spec = scaled_spec(full, layers=layers, hidden=hidden, vocab=None, experts=None)
+    want = set(checks or ("context", "optimizer", "activations", "engine", "deepspeed", "multi-gpu"))
+    rows: list[dict[str, Any]] = []
+    plan1 = predict(spec, _zero_config(2, None), precision=precision, micro_batch=micro_batch, seq_len=seq_len,
+                    grad_accum=1, n=1)
+    planN = predict(spec, _zero_config(2, None), precision=precision, micro_batch=micro_batch, seq_len=seq_len,
+                    grad_accum=1, n=gpus)
+    opt_temp = plan1.memory.buffers_detail.get("optimizer_temp")
+    per_el = None if opt_temp is None else opt_temp / max(1, spec.params)
+
+    def gpu_count() -> int:
+        import torch
+
+        return torch.cuda.device_count() if device == "cuda" else 0
+
+    steps: dict[str, Callable[[], list[dict[str, Any]]]] = {
+        "context": lambda: measure_context(device),
+        "optimizer": lambda: measure_optimizer_temps(device, predicted_per_element=per_el),
+        "activations": lambda: measure_layer_activations(device, spec, seq_len=seq_len, micro_batch=micro_batch,
+                                                         precision=precision),
+        "engine": lambda: measure_engine_peak(device, spec, _zero_config(2, None), precision=precision,
+                                              micro_batch=micro_batch, seq_len=seq_len, n=1, plan=plan1),
+        "deepspeed": lambda: measure_deepspeed_virtual(device, spec, n=gpus, stage=2, precision=precision,
+                                                       micro_batch=micro_batch, seq_len=seq_len, plan=planN),
+        "multi-gpu": lambda: multi_gpu_checks(gpu_count(), hardware),
+    }
+    for name, fn in steps.items():
+        if name not in want:
+            continue
+        try:
+            rows += fn()
+        except Exception as exc:  # noqa: BLE001 - one failing check (an OOM, a failed op build) keeps the rest
+            rows.append(row(name, "failed", None, None, unit="", note=f"{type(exc).__name__}: {exc}"[:500]))
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+    return {"environment": environment(device),
+            "inputs": {"model": model, "scaled": {"name": spec.name, "params": spec.params, "layers": spec.num_layers,
+                                                  "hidden": spec.hidden_size},
+                       "gpus": gpus, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len},
+            "rows": rows}

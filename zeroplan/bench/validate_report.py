@@ -1,0 +1,60 @@
+"""Write `zeroplan validate`'s report: one JSON file and one markdown table (torch-free).
+
+``validation.json``: {"environment", "inputs", "rows", "command"}; each row
+{"check", "figure", "predicted", "measured", "unit", "error", "note"} with ``error`` =
+measured / predicted − 1 (None when either side is missing or the prediction is 0).
+``validation.md``: the environment, the exact command and a predicted-vs-measured table.
+Both are written atomically (``_util.atomic_write_text``); the markdown only after the JSON,
+and neither when the report does not serialise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from zeroplan._util import InputError, atomic_write_text
+
+__all__ = ["render_markdown", "write_validation", "JSON_NAME", "MD_NAME"]
+
+JSON_NAME = "validation.json"
+MD_NAME = "validation.md"
+
+
+def _fmt(v: Any, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "bytes":
+        return f"{int(v):,}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The predicted-vs-measured table with the environment and command above it."""
+    env = report.get("environment", {})
+    lines = ["# zeroplan validate", ""]
+    if report.get("command"):
+        lines += ["```", report["command"], "```", ""]
+    lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
+              "| check | figure | predicted | measured | unit | error | note |",
+              "|---|---|---:|---:|---|---:|---|"]
+    for r in report["rows"]:
+        err = "-" if r.get("error") is None else f"{100 * r['error']:+.1f}%"
+        cells = [r["check"], r["figure"], _fmt(r.get("predicted"), r.get("unit", "")),
+                 _fmt(r.get("measured"), r.get("unit", "")), r.get("unit", ""), err, r.get("note", "")]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_validation(report: dict[str, Any], out_dir: str) -> tuple[Path, Path]:
+    """Write ``validation.json`` and ``validation.md`` into ``out_dir`` (created if missing)."""
+    d = Path(out_dir)
+    if d.exists() and not d.is_dir():
+        raise InputError(f"--output {out_dir}: exists and is not a directory; expected a directory")
+    text = json.dumps(report, indent=2, allow_nan=False, default=str) + "\n"  # fails before any write
+    md = render_markdown(report)
+    d.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(d / JSON_NAME, text), atomic_write_text(d / MD_NAME, md)

@@ -1,0 +1,84 @@
+"""What the PyTorch CUDA caching allocator reserves for a plan, and what the device shows.
+
+Two figures per GPU:
+- **allocated**: live tensor bytes at the peak (``torch.cuda.max_memory_allocated``), each
+  block rounded up to 512 B (c10/cuda/CUDACachingAllocator.cpp ``round_size``, kMinBlockSize).
+- **reserved**: the allocator's cached segments (``torch.cuda.max_memory_reserved``). Blocks are
+  pooled per CUDA stream: memory freed on one stream is reused only by allocations on that
+  stream (``BlockPool`` lookups match ``stream``). DeepSpeed allocates some buffers on side
+  streams — stage 3's gathered parameters on the all-gather stream
+  (runtime/zero/partitioned_param_coordinator.py ``__all_gather_params`` under
+  ``__allgather_stream``), the reduce-scatter/all-reduce outputs on ``reduction_stream`` with
+  ``overlap_comm`` (stage_1_and_2.py ``reduce_ipg_grads``/``average_tensor``; stage3.py
+  ``__reduce_and_partition_ipg_grads``) — so each pool reaches its own maximum and the sum of
+  the pools' maxima, not the maximum of the sum, is cached. Large blocks (> 1 MiB) come from
+  segments rounded up to 2 MiB (kRoundLarge; ``get_allocation_size``), and splitting cached
+  segments between differently sized requests leaves slack the profile's
+  ``fragmentation_fraction`` stands for (``expandable_segments:True`` maps pages into one
+  growing segment per stream and removes most of it: modelled as no slack).
+- The device total adds the CUDA context and NCCL's buffers, one set per communicator
+  (``nvidia-smi`` shows that sum).
+
+NCCL communicators a DeepSpeed data-parallel job creates (each rank is in one of each):
+the world group, and ZeRO's clone of it (deepspeed/utils/groups.py ``_clone_world_group``,
+used as the data-parallel group); ZeRO++ hpZ adds its intra-node parameter group
+(``_create_zero_param_parallel_group``); quantized gradients (hierarchical all-to-all) add the
+local and the cross-node all-to-all groups (``_get_local_all_to_all_group``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MIB", "communicators", "reserved_bytes", "round_block", "round_segment"]
+
+MIB = 1 << 20
+_MIN_BLOCK = 512  # kMinBlockSize
+_ROUND_LARGE = 2 * MIB  # kRoundLarge
+
+
+def round_block(n: int) -> int:
+    """A tensor's block: rounded up to 512 B."""
+    return -(-n // _MIN_BLOCK) * _MIN_BLOCK if n > 0 else 0
+
+
+def round_segment(n: int) -> int:
+    """A pool's cached bytes: rounded up to whole 2 MiB large-segment units."""
+    return -(-n // _ROUND_LARGE) * _ROUND_LARGE if n > 0 else 0
+
+
+def communicators(zero: Any, stage: int, n_gpus: int = 2) -> int:
+    """NCCL communicators one rank of a DeepSpeed ZeRO data-parallel job creates (a one-rank
+    job creates communicators without peers: no channel buffers, counted as none)."""
+    if n_gpus <= 1:
+        return 0
+    n = 2  # world + ZeRO's cloned world group (groups._clone_world_group)
+    if stage == 3 and int(getattr(zero, "zero_hpz_partition_size", 1) or 1) > 1:
+        n += 1
+    if stage == 3 and bool(getattr(zero, "zero_quantized_gradients", False)):
+        n += 2
+    return n
+
+
+def reserved_bytes(live_by_phase: dict[str, int], side_pools: dict[str, dict[str, int]], *,
+                   fragmentation_fraction: float, expandable_segments: bool = False,
+                   step_transient: int = 0) -> tuple[int, int, dict[str, int]]:
+    """(allocated, reserved, {side pool: its maximum}) from the live bytes per phase and, per side
+    stream, the part of them allocated on it.
+
+    reserved = the default-stream pool + each side pool at its own maximum, in 2 MiB units. The
+    default pool keeps the segments of its forward/backward maximum (plus the split-segment
+    slack); the optimizer step's large new blocks (``step_transient``: the flat fp32 gradient, its
+    casts, the optimizer's temporaries, each one block of up to GBs) are bigger than any freed
+    activation block, so the allocator's best-fit lookup (``get_free_block``) finds none and maps
+    new segments for them (``alloc_block``) on top of what is cached.
+    """
+    allocated = max(live_by_phase.values())
+    default = {p: live_by_phase[p] - sum(pool.get(p, 0) for pool in side_pools.values()) for p in live_by_phase}
+    side = {name: max(pool.values(), default=0) for name, pool in side_pools.items()}
+    slack = 0.0 if expandable_segments else fragmentation_fraction
+    before_step = max((v for p, v in default.items() if p != "step"), default=0)
+    default_pool = max(int(before_step * (1 + slack)) + (0 if expandable_segments else step_transient),
+                       int(default.get("step", 0) * (1 + slack)))
+    reserved = round_segment(default_pool) + sum(round_segment(v) for v in side.values())
+    return allocated, max(reserved, round_segment(allocated)), side

@@ -1,0 +1,232 @@
+"""DeepSpeed's GPU buffers per phase: gradient buckets, flatten copies, stage-3 gathers and
+prefetch, and the optimizer step's transients — each with the CUDA stream whose allocator pool
+it comes from (core/allocator.py).
+
+Element counts come from core/layout.py; bytes are ints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from zeroplan.core.comm import STAGE0_BUCKET
+from zeroplan.core.layout import Layout, Stage3Schedule, stage3_schedule
+from zeroplan.core.memory_states import optimizer_temp_bytes
+from zeroplan.specs.training import TrainingSetup
+
+__all__ = ["GatherPeak", "PhaseBuffers", "phase_buffers"]
+
+
+class GatherPeak(BaseModel):
+    """Stage 3: what sets the gathered-parameter peak."""
+
+    module: str
+    module_bytes: int  # the module's gathered parameters
+    transient_bytes: int  # incl. the ~2× of a coalesced multi-parameter gather
+    kept_bytes: int  # modules kept gathered for reuse at that moment
+    prefetch_bytes: int  # up to two prefetches in flight beside the module in use
+    total_bytes: int
+    phase: str
+
+
+@dataclass
+class PhaseBuffers:
+    """Buffer bytes live per phase (default stream + side streams), and the named buffers."""
+
+    forward: int = 0
+    backward: int = 0
+    step: int = 0
+    detail: dict[str, int] = field(default_factory=dict)
+    # side-stream pools: pool -> phase -> bytes (already included in the phase totals above)
+    side: dict[str, dict[str, int]] = field(default_factory=dict)
+    gather_forward: GatherPeak | None = None
+    gather_backward: GatherPeak | None = None
+    step_grads: int | None = None  # gradient bytes live at the step (None: the end-of-backward gradients)
+    step_transient: int = 0  # the step's large new blocks (fp32 casts, flat copies, optimizer temporaries)
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    return getattr(obj, name, default) if obj is not None else default
+
+
+def _prefetch(sizes: list[int], j: int, room: int) -> int:
+    """Elements of the next two fetches after position j, within ``room`` (max_live_parameters)."""
+    ahead = sum(sizes[j + 1:j + 3])
+    return max(0, min(ahead, room))
+
+
+def stage3_gather(layout: Layout, sched: Stage3Schedule, b_p: int, max_live: int) -> tuple[GatherPeak | None, GatherPeak | None]:
+    """Forward and backward gathered-parameter peaks (bytes), with prefetch in flight.
+
+    The coordinator (runtime/zero/partitioned_param_coordinator.py ``fetch_sub_module``) keeps
+    prefetching the next parameters of the trace while ``numel_prefetching`` is below
+    min(``max_live_parameters`` - available, ``prefetch_bucket_size``): the fetch issued at the
+    previous module and the one issued now can both be in flight beside the module in use.
+    """
+    if not sched.forward_chunks:
+        return None, None
+    kept_total = sum(m.gathered for m, again in zip(layout.modules, sched.regather) if m.gathered and not again)
+    if sched.one_shot:
+        size, n, label = sched.forward_chunks[0]
+        t = size * (2 if n > 1 else 1)
+        f = GatherPeak(module=label, module_bytes=size * b_p, transient_bytes=t * b_p, kept_bytes=0,
+                       prefetch_bytes=0, total_bytes=t * b_p, phase="forward")
+        return f, GatherPeak(module=label, module_bytes=size * b_p, transient_bytes=0, kept_bytes=size * b_p,
+                             prefetch_bytes=0, total_bytes=size * b_p, phase="backward")
+    sizes = [c[0] for c in sched.forward_chunks]
+    frac_kept = kept_total / max(1, sum(sizes))
+    best_f = None
+    done = 0
+    for j, (size, n, label) in enumerate(sched.forward_chunks):
+        t = size * (2 if n > 1 else 1)
+        kept = int(done * frac_kept)
+        pre = _prefetch(sizes, j, max_live - kept - size)
+        total = kept + t + pre
+        if best_f is None or total * b_p > best_f.total_bytes:
+            best_f = GatherPeak(module=label, module_bytes=size * b_p, transient_bytes=t * b_p, kept_bytes=kept * b_p,
+                                prefetch_bytes=pre * b_p, total_bytes=total * b_p, phase="forward")
+        done += size
+    best_b = None
+    held = kept_total
+    order = [(m, again) for m, again in reversed(list(zip(layout.modules, sched.regather))) if m.gathered]
+    regather_sizes = [m.gathered if again else 0 for m, again in order]
+    for j, (m, again) in enumerate(order):
+        cur = m.gathered * (2 if m.n_gathered > 1 else 1) if again else 0
+        pre = _prefetch(regather_sizes, j, max_live - held - cur) if again else 0
+        total = held + cur + pre
+        if best_b is None or total * b_p > best_b.total_bytes:
+            best_b = GatherPeak(module=m.name, module_bytes=m.gathered * b_p, transient_bytes=cur * b_p,
+                                kept_bytes=held * b_p, prefetch_bytes=pre * b_p, total_bytes=total * b_p, phase="backward")
+        if not again:
+            held -= m.gathered
+    return best_f, best_b
+
+
+def _stage3(pb: PhaseBuffers, layout: Layout, zero: Any, b_g: int, b_c: int, b_p: int, contiguous: bool) -> None:
+    rbs = int(_get(zero, "reduce_bucket_size", 500_000_000))
+    d = pb.detail
+    if contiguous:
+        d["ipg_bucket"] = b_g * rbs
+    # stage3.py __reduce_and_partition_ipg_grads: reduce-scatter outputs on reduce_and_partition_stream
+    d["reduce_scatter_temp"] = b_c * min(rbs, layout.padded_total_3)
+    max_live = int(_get(zero, "max_live_parameters", 1_000_000_000))
+    sched = stage3_schedule(layout, max_live=max_live, prefetch_bucket=int(_get(zero, "prefetch_bucket_size", 50_000_000)),
+                            max_reuse=int(_get(zero, "max_reuse_distance", 1_000_000_000)))
+    gf, gb = stage3_gather(layout, sched, b_p, max_live)
+    pb.gather_forward, pb.gather_backward = gf, gb
+    if gf:
+        d["gathered_params_forward"] = gf.total_bytes
+    if gb:
+        d["gathered_params_backward"] = gb.total_bytes
+    persistent = d.get("ipg_bucket", 0) + d.get("hpz_secondary_partition", 0)
+    g_f = gf.total_bytes if gf else 0
+    g_b = gb.total_bytes if gb else 0
+    pb.forward += persistent + g_f
+    pb.backward += persistent + d["reduce_scatter_temp"] + g_b
+    pb.step += persistent
+    pb.side["allgather"] = {"forward": g_f, "backward": g_b}
+    pb.side["reduce_scatter"] = {"backward": d["reduce_scatter_temp"]}
+
+
+def _stage12(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetup, stage: int, b_g: int, b_c: int,
+             contiguous: bool, off_opt: str) -> None:
+    rbs = int(_get(zero, "reduce_bucket_size", 500_000_000))
+    overlap = bool(_get(zero, "overlap_comm", False))
+    d = pb.detail
+    if contiguous:
+        # stage_1_and_2.py setup_buckets: one bucket, two with overlap_comm (buf_0, buf_1)
+        d["ipg_bucket"] = b_g * rbs * (2 if overlap else 1)
+        pb.backward += d["ipg_bucket"]
+    d["allreduce_flatten"] = b_c * min(rbs, layout.params)
+    pb.backward += d["allreduce_flatten"]
+    if overlap:  # reduce_ipg_grads runs the reduction on reduction_stream
+        pb.side["reduction"] = {"backward": d["allreduce_flatten"]}
+    if off_opt != "none":
+        pb.backward += d.get("offload_gpu_temp_grad", 0)
+    elif contiguous and stage == 2:
+        # copy_grads_in_partition: grads_in_partition spans the WHOLE params overlapping the
+        # rank's slice; the .grad of those params is re-pointed into it (the originals freed).
+        # (Stage 1 keeps the full gradients until the step, so the buffer adds nothing there.)
+        extra = b_g * (layout.grad_partition_12_max - layout.partition_12)
+        if extra:
+            d["gradient_partition_whole_params"] = extra
+            pb.backward += extra
+            if training.grad_accum > 1:
+                pb.forward += extra
+
+
+def _step(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetup, stage: int, b_g: int, grad_end: int,
+          wrapper: str) -> None:
+    """The optimizer step's transients (no optimizer offload); sets ``pb.step_grads``.
+
+    Stages 1/2 (stage_1_and_2.py ``step``): gradients outside the partition are freed, the
+    partition's gradients are flattened (a b_g copy) and cast to fp32 (``single_grad_partition``);
+    the flat copy is deleted and the 16-bit gradients freed *before* ``_optimizer_step`` — so the
+    optimizer's temporaries never coexist with the 16-bit gradients. BF16_Optimizer keeps its
+    whole-model fp32 gradients through the step (bf16_optimizer.py ``step``). Stage 3 (stage3.py
+    ``_prepare_fp32_grad_for_sub_group``) casts per sub-group while the gradient partition buffer
+    stays allocated. Stage 0 (FP16_Optimizer ``step``) casts every gradient into one fp32 flat
+    gradient (the casts and the flat copy coexist); fp32 without ZeRO steps the parameters' own
+    gradients in place.
+    """
+    d = pb.detail
+    if stage == 3:
+        group = max(layout.sub_groups_3(int(_get(zero, "sub_group_size", 1_000_000_000))))
+    elif stage in (1, 2):
+        group = layout.partition_12
+    else:
+        group = layout.params
+    largest = group if stage >= 1 else layout.largest_tensor
+    temps = optimizer_temp_bytes(training, group, largest)
+    cast = (b_g + 4) * group if b_g != 4 else 4 * group  # flatten copy + fp32 cast (.to is a no-op on fp32)
+    d["optimizer_temp"] = temps
+    if stage in (1, 2) and wrapper != "bf16_optimizer":
+        pb.step_grads = b_g * layout.grad_partition_12_max  # grads_in_partition, live through the cast
+        d["step_fp32_grad"] = cast
+        pb.step_transient = max(cast, 4 * group + temps - pb.step_grads)
+    elif stage == 3:
+        pb.step_grads = grad_end
+        d["step_fp32_grad"] = cast
+        pb.step_transient = max(cast, 4 * group + temps)
+    elif stage == 0 and training.precision.mixed:
+        # fp16/fused_optimizer.py FP16_Optimizer.step: _flatten_dense_tensors([p.grad.to(fp32) ...]):
+        # the per-parameter fp32 casts and the flat copy coexist beside the 16-bit gradients,
+        # which are freed (p.grad = None) before the inner optimizer steps
+        pb.step_grads = grad_end
+        d["step_fp32_grad"] = 8 * group
+        pb.step_transient = max(8 * group, 4 * group + temps - grad_end)
+    else:
+        # no wrapper (fp32 without ZeRO): the optimizer steps the parameters' own gradients
+        pb.step_grads = grad_end
+        d["step_fp32_grad"] = 0
+        pb.step_transient = temps
+    pb.step += pb.step_transient
+
+
+def phase_buffers(layout: Layout, training: TrainingSetup, zero: Any, stage: int, *, off_opt: str, grad_bytes: int,
+                  grad_end: int, wrapper: str) -> PhaseBuffers:
+    """Every DeepSpeed buffer per phase for one stage (gradients and states excluded)."""
+    prec = training.precision
+    b_p, b_c = prec.param_bytes, prec.comm_bytes
+    b_g = grad_bytes
+    contiguous = bool(_get(zero, "contiguous_gradients", True)) or off_opt != "none"
+    pb = PhaseBuffers()
+    hpz = int(_get(zero, "zero_hpz_partition_size", 1) or 1)
+    if stage == 3 and hpz > 1:  # ZeRO++ hpZ secondary partition: +b_p·Ψ/k per GPU
+        pb.detail["hpz_secondary_partition"] = b_p * (layout.padded_total_3 // hpz)
+    if off_opt != "none" and stage in (1, 2):
+        pb.detail["offload_gpu_temp_grad"] = b_g * layout.largest_tensor
+    if stage == 0:
+        # stage 0 buckets are DeepSpeed's constant 5e8 elements, not reduce_bucket_size
+        pb.detail["allreduce_flatten"] = b_c * min(STAGE0_BUCKET, layout.params)
+        pb.backward += pb.detail["allreduce_flatten"]
+    elif stage in (1, 2):
+        _stage12(pb, layout, zero, training, stage, b_g, b_c, contiguous, off_opt)
+    else:
+        _stage3(pb, layout, zero, b_g, b_c, b_p, contiguous)
+    if off_opt == "none":
+        _step(pb, layout, zero, training, stage, b_g, grad_end, wrapper)
+    return pb

@@ -1,0 +1,94 @@
+"""How many CUDA GPUs this process may use, found WITHOUT initialising CUDA.
+
+``torch.cuda.is_available()`` / ``device_count()`` in a parent that then forks ranks leaves every
+child failing "Cannot re-initialize CUDA in forked subprocess" (PyTorch's torch/cuda/__init__.py
+``_lazy_init`` refuses in a child when the parent has initialised CUDA). The launcher therefore
+counts GPUs through NVML (pynvml, a core dependency), which never touches the CUDA runtime, and
+applies ``CUDA_VISIBLE_DEVICES`` as the CUDA driver does (comma list of indices or ``GPU-``/``MIG-``
+UUIDs; enumeration stops at the first invalid entry; an empty value hides every GPU) — the same
+rule as PyTorch's NVML-based count (``torch.cuda._device_count_nvml``, used when
+``PYTORCH_NVML_BASED_CUDA_CHECK=1``).
+
+Tests replace ``nvml_device_count`` (monkeypatch) to exercise the GPU paths without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+from zeroplan._util import InputError
+
+__all__ = ["nvml_device_count", "visible_gpu_count", "torch_has_cuda", "resolve_backend"]
+
+
+def nvml_device_count() -> int:
+    """GPUs the NVIDIA driver reports (0 without a driver or without pynvml)."""
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound / DriverNotLoaded: no GPU here
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:  # noqa: BLE001
+        return 0
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _visible(raw: str, physical: int) -> int:
+    """Devices left visible by a CUDA_VISIBLE_DEVICES value over ``physical`` GPUs."""
+    seen: set[str] = set()
+    count = 0
+    for item in raw.split(","):
+        item = item.strip()
+        if item.startswith(("GPU-", "MIG-")):
+            key = item
+        else:
+            try:
+                idx = int(item)
+            except ValueError:
+                break  # the driver stops at the first invalid entry
+            if idx < 0 or idx >= physical:
+                break
+            key = str(idx)
+        if key in seen:
+            break  # a repeated device is invalid too
+        seen.add(key)
+        count += 1
+    return min(count, physical)
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process could use under CUDA, without initialising CUDA."""
+    physical = nvml_device_count()
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return physical
+    return _visible(raw, physical)
+
+
+def torch_has_cuda() -> bool:
+    """True when the installed torch was built with CUDA (a constant; no CUDA call)."""
+    import torch
+
+    return getattr(torch.version, "cuda", None) is not None
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """'auto' -> 'nccl' when torch has CUDA and NVML sees a visible GPU, else 'gloo'.
+
+    Never calls ``torch.cuda.is_available()``: that would initialise CUDA in the parent and
+    break every forked rank.
+    """
+    if backend == "auto":
+        return "nccl" if torch_has_cuda() and visible_gpu_count() > 0 else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise InputError(f"--backend {backend!r}: expected auto, gloo or nccl")
+    return backend

@@ -2,7 +2,9 @@
 
 Prints the error per case and the median |error|; asserts the median it reaches today, so a
 change that makes the model worse fails. Goal (issue 13): median |error| <= 10% over >= 30
-cases from >= 5 sources; this dataset is one source (llm-foundry, H100, FSDP) so far.
+cases from >= 5 sources. Sources: llm-foundry H100 and A100 tables (FSDP), torchtitan (FSDP2,
+A100), the IBM/PyTorch FSDP blog (A100 and H100), the ZeRO++ figures (DeepSpeed ZeRO-3, V100);
+tests/data/published/README.md describes each.
 """
 
 from __future__ import annotations
@@ -55,3 +57,82 @@ def test_llm_foundry_h100_fsdp_throughput():
 
 
 MEDIAN_BOUND = 0.11  # reached: 10.1% (before the compute model and overlap schedule: 15.0%, worst +67%)
+
+
+# --------------------------------------------------------------------------------------------
+# More sources: torchtitan (FSDP2, A100), IBM/PyTorch FSDP blog (A100 and H100), ZeRO++ (ZeRO-3, V100)
+# --------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_34B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 22016, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "num_hidden_layers": 48, "vocab_size": 32000, "max_position_embeddings": 4096}
+
+
+def _hw(ref: str):
+    return load_profile(str(DATA / ref if ref.startswith("profiles/") else ROOT / "hardware_profiles" / f"{ref}.toml"))
+
+
+def _fsdp_case(r: dict[str, str]) -> float:
+    from zeroplan.specs.model import load_model
+
+    spec = spec_from_config(LLAMA_34B, "llama-34b", "published") if r["model"] == "llama-34b" else load_model(r["model"])
+    tr = TrainingSetup(precision=get_precision("bf16"), micro_batch=int(r["micro_batch"]), seq_len=int(r["seq_len"]),
+                       grad_accum=1, checkpointing=r["checkpointing"])
+    n = int(r["n_gpus"])
+    return evaluate(model=spec, training=tr, zero=ZeroConfig(stage=3), n_gpus=n, hardware=_hw(r["profile"])).tokens_per_s / n
+
+
+def _zeropp_cases() -> list[tuple[str, float, float]]:
+    """ZeRO-3 rows of the ZeRO++ figures (TFLOPs per GPU) as tokens/s per GPU. Megatron-DeepSpeed counts
+    24·c·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) FLOPs per iteration with c = 4 under activation checkpointing
+    (its training.py throughput), so tokens/s/GPU = TFLOPs / (24·4·L·h²·(1 + s/(6h) + V/(16·L·h)))."""
+    from test_published_zeropp import SEQ, _rows as zrows, _tokens_per_s
+
+    out = []
+    for r in zrows():
+        if r["figure"] == "eval3":
+            continue  # 200/800 Gb/s bars repeat eval1/eval2's models; kept for the ratio test only
+        L, h, V = int(r["layers"]), int(r["hidden"]), 50257
+        flops_per_token = 24 * 4 * L * h * h * (1 + SEQ / (6 * h) + V / (16 * L * h))
+        meas = float(r["zero3_tflops_per_gpu"]) * 1e12 / flops_per_token
+        label = f"{r['model']:>5} {r['tokens_per_gpu']} tok/GPU {int(r['nics_per_node']) * 100} Gb/s"
+        out.append((label, _tokens_per_s(r) / 384, meas))
+    return out
+
+
+def _report(name: str, cases: list[tuple[str, float, float]]) -> list[float]:
+    errs = []
+    for label, pred, meas in cases:
+        err = pred / meas - 1
+        errs.append(err)
+        print(f"{name:<10} {label}: measured {meas:8.1f}, zeroplan {pred:8.1f} tokens/s/GPU ({err:+.1%})")
+    print(f"{name:<10} n={len(errs)} median |error| {statistics.median(abs(e) for e in errs):.1%}")
+    return errs
+
+
+def test_all_sources_throughput():
+    """Every source together: per-source and overall median |error| (goal <= 10% over >= 30 cases, >= 5 sources)."""
+    errs: dict[str, list[float]] = {}
+    hw = load_profile("dgx-h100")
+    foundry = [(f"{r['model']} seq {r['seq_len']} gpus {r['n_gpus']} mb {r['micro_batch']} {r['checkpointing']}",
+                _predict(r, hw), float(r["tokens_per_s_per_gpu"])) for r in _rows("throughput_llm_foundry_h100.csv")]
+    errs["llm-foundry"] = _report("llm-foundry", foundry)
+    a100 = load_profile(str(ROOT / "hardware_profiles" / "dgx-a100-80gb.toml"))
+    foundry_a100 = [(f"{r['model']} seq {r['seq_len']} gpus {r['n_gpus']} mb {r['micro_batch']} {r['checkpointing']}",
+                     _predict(r, a100), float(r["tokens_per_s_per_gpu"])) for r in _rows("throughput_llm_foundry_a100.csv")]
+    errs["llm-foundry-a100"] = _report("llm-foundry-a100", foundry_a100)
+    more: dict[str, list[tuple[str, float, float]]] = {}
+    for r in _rows("throughput_fsdp_more.csv"):
+        label = f"{r['model']} x{r['n_gpus']} mb {r['micro_batch']} seq {r['seq_len']} {r['checkpointing']} ({r['profile']})"
+        more.setdefault(r["source"], []).append((label, _fsdp_case(r), float(r["tokens_per_s_per_gpu"])))
+    for src, cases in more.items():
+        errs[src] = _report(src, cases)
+    errs["zeropp-v100"] = _report("zeropp-v100", _zeropp_cases())
+    allerr = [e for v in errs.values() for e in v]
+    med = statistics.median(abs(e) for e in allerr)
+    print(f"all: {len(allerr)} cases from {len(errs)} sources, median |error| {med:.1%}")
+    assert len(allerr) >= 30
+    assert med <= ALL_SOURCES_MEDIAN_BOUND
+
+
+ALL_SOURCES_MEDIAN_BOUND = 0.11  # reached: 10.5% over 72 cases (56 FSDP cases on A100/H100: 8.8%; 16 ZeRO-3 V100 cases: 47%)

@@ -33,15 +33,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from zeroplan.core.compute import gpu_generation
 from zeroplan.specs.collectives import busbw_factor
 
 __all__ = ["AlgoChoice", "collective_choice", "ALGORITHMS", "PROTOCOLS", "NVLS_EFFICIENCY"]
 
 ALGORITHMS = ("ring", "tree", "collnet", "nvls", "nvls_tree")
 PROTOCOLS = ("LL", "LL128", "Simple")
-# NCCL tuning.cc baseLat [algo][LL, LL128, Simple] (µs)
+# NCCL tuning.cc baseLat [algo][LL, LL128, Simple] (µs); NVLS and NVLSTree carry 23 µs (NCCL 2.19+)
 BASE_LAT_US = {"tree": (6.8, 14.0, 8.4), "ring": (6.6, 14.0, 8.4), "collnet": (0.0, 0.0, 0.0),
-               "nvls": (0.0, 0.0, 0.0), "nvls_tree": (0.0, 0.0, 0.0)}
+               "nvls": (0.0, 0.0, 23.0), "nvls_tree": (0.0, 0.0, 23.0)}
 # NCCL tuning.cc hwLat [NVLINK | PCI | NET][algo][LL, LL128, Simple] (µs per hop); 0 = unsupported
 HOP_LAT_US = {
     "nvlink": {"tree": (0.6, 1.25, 4.0), "ring": (0.6, 1.9, 3.4), "collnet": (0.0, 0.0, 3.7),
@@ -63,6 +64,20 @@ _TREE_CORR = {
 # range") = algbw 272 GB/s = 0.60 of 450 GB/s per direction.
 NVLS_EFFICIENCY = 0.60
 _LL128_MAX_GBPS = 0.92  # fraction (NCCL: busBw × 120/128 ≈ 0.92)
+# Network pipeline fill (per-size efficiency across nodes). NCCL moves a channel's data through a
+# FIFO of NCCL_STEPS slots of NCCL_BUFFSIZE (default 4 MiB, src/include/comm.h DEFAULT_BUFFSIZE) per
+# peer; the proxy thread posts a network send only once a slot is full (src/transport/net.cc,
+# sendProxyProgress), so until every channel's FIFO is primed the GPU-side copy/reduction and the
+# wire do not overlap: the first ``NET_PIPELINE_BYTES_PER_NIC`` bytes each NIC sends cost about
+# twice. Two channels per NIC (NCCL's default of 2 channels per NIC on multi-node graphs,
+# src/graph/search.cc) × 4 MiB = 8 MiB. The cost saturates: a call of any size pays at most
+# 8 MiB / (one NIC's bandwidth), and a small call pays its own bandwidth time again. NICs per
+# node come from the profile (``inter_node.nics_per_node``; default one per GPU).
+NET_PIPELINE_BYTES_PER_NIC = 2 * 4 * 2**20
+# NCCL tuning.cc llMaxBws[generation][1 node, 2 nodes, > 2 nodes]: the LL protocol's bus
+# bandwidth cap (GB/s), whatever the links (LL spins on 8-byte flag+data words, so its rate is
+# bound by the GPU's polling, not the wire). NCCL 2.19+ values; Ada/CDNA use the Ampere row.
+LL_MAX_BUSBW_GBPS = {"volta": (39.0, 39.0, 20.4), "ampere": (87.7, 22.5, 19.0), "hopper": (141.0, 45.0, 35.0)}
 
 
 class AlgoChoice(BaseModel):
@@ -128,6 +143,7 @@ def collective_choice(op: str, nbytes: int, n: int, nodes: int, gpn_in_group: in
             algos.add("nvls_tree")
     else:
         algos = intra_algos & {"ring", "tree", "nvls"}
+    gen = gpu_generation(hw.gpu.name)
     best: AlgoChoice | None = None
     log_size = int(math.log2(max(1, nbytes >> 6))) if nbytes >= 64 else 0
     for algo in sorted(algos):
@@ -163,11 +179,18 @@ def collective_choice(op: str, nbytes: int, n: int, nodes: int, gpn_in_group: in
                 eff_factor = 1.0
             if proto == "LL":
                 bw *= 0.25 if (multi or op == "all_reduce") else 1 / 3
+                cap = LL_MAX_BUSBW_GBPS.get(gen, LL_MAX_BUSBW_GBPS["ampere"])[min(nodes, 3) - 1] * 1e9
+                bw = min(bw, cap)  # ring/tree: bw is the bus bandwidth here
             elif proto == "LL128":
                 bw *= _LL128_MAX_GBPS
             if algo == "ring" and proto == "Simple" and multi and op == "all_reduce" and nbytes >= n / 16 * 65536:
                 lat *= 1.9  # NCCL: "plateau effect of ring"
-            t = lat * 1e-6 + nbytes * eff_factor / bw
+            t_bw = nbytes * eff_factor / bw
+            if multi:
+                nics = getattr(inter, "nics_per_node", None) or gpn_all
+                nic_Bps = inter.bandwidth_GBps_per_gpu * 1e9 * inter.efficiency * gpn_all / nics
+                t_bw += min(t_bw, NET_PIPELINE_BYTES_PER_NIC / nic_Bps)
+            t = lat * 1e-6 + t_bw
             if best is None or t < best.time_s:
                 best = AlgoChoice(algorithm=algo, protocol=proto, time_s=t, latency_s=lat * 1e-6,
                                   busbw_GBps=nbytes * factor / t / 1e9 if t > 0 else 0.0)

@@ -37,12 +37,13 @@ __all__ = ["TimeEstimate", "collective_time_s", "estimate_time", "algbw_busbw", 
            "CPU_ADAM_PARAMS_PER_S_PER_CORE", "cpu_adam_rate"]
 
 DEFAULT_MFU: float | None = None  # None: the compute model (core/compute.py) sets the rate
-# DeepSpeedCPUAdam throughput per physical core when the profile gives none. ZeRO-Offload
-# (Ren et al., USENIX ATC 2021, arXiv:2101.06840, table 3, CPU-Adam latency): ~0.2-0.26 s per
-# 1B parameters for 1-10B on a DGX-2 host (2x Xeon Platinum 8168, 48 cores) -> ~8e7 per core.
+# DeepSpeedCPUAdam throughput per physical core when the profile gives none: ~8e7, the order of
+# the CPU-Adam step times in ZeRO-Offload (Ren et al., USENIX ATC 2021, arXiv:2101.06840) on a
+# DGX-2 host (2x Xeon Platinum 8168). NOT verified against the paper's table (issue 13 item 4 open).
 CPU_ADAM_PARAMS_PER_S_PER_CORE = 8.0e7
-CPU_ADAM_SOURCE = ("ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840, table 3): CPU-Adam ~0.2-0.26 s per 1B "
-                   "parameters on a 48-core DGX-2 host = ~8e7 params/s per core")
+CPU_ADAM_SOURCE = ("unverified estimate: ~8e7 params/s per core, the order of ZeRO-Offload's CPU-Adam step times "
+                   "(Ren et al. 2021, arXiv:2101.06840, DGX-2 host), not checked against the paper's table; "
+                   "measure with DeepSpeed tests/perf/adam_test.py")
 
 
 def algbw_busbw(op: str, size_bytes: int, time_s: float, n: int) -> tuple[float, float]:

@@ -94,6 +94,9 @@ class LinkSpec(_Strict):
     # full-mesh links (AMD xGMI): GB/s per direction of ONE GPU-to-GPU link; a group of k GPUs
     # inside the node gets (k - 1) links, not the whole-node figure
     mesh_link_GBps: float | None = None
+    # network adapters per node on the inter-node tier (None = one per GPU); NICs shared by
+    # several GPUs carry fewer NCCL channels each (core/nccl_model.py pipeline fill)
+    nics_per_node: int | None = None
 
     @property
     def effective_GBps_per_gpu(self) -> float:
@@ -161,6 +164,7 @@ _BOUNDS: dict[str, tuple[float, float, str, str, bool]] = {
     "node.cpu_adam_params_per_s_per_core": (1e5, 1e9, "1e5 to 1e9 parameters/s per core",
                                             "parameters per second per core, not per node?", False),
     "intra_node.mesh_link_GBps": (0.1, 1000, "0.1 to 1000 GB/s per link", _UNIT_HINT, False),
+    "inter_node.nics_per_node": (1, 64, "1 to 64 network adapters per node", "", False),
     "intra_node.bandwidth_GBps_per_gpu": (0.01, 2000, "0.01 to 2000 GB/s per GPU", _UNIT_HINT, False),
     # The fastest NICs today are 800 Gb/s = 100 GB/s per GPU; 200 leaves headroom and
     # rejects a per-node or Gb/s figure written as per-GPU GB/s (400, 1600, 3200).
@@ -263,6 +267,8 @@ def validate_profile(profile: HardwareProfile, where: str | None = None) -> Hard
         values["node.cpu_adam_params_per_s_per_core"] = profile.node.cpu_adam_params_per_s_per_core
     if profile.intra_node.mesh_link_GBps is not None:
         values["intra_node.mesh_link_GBps"] = profile.intra_node.mesh_link_GBps
+    if profile.inter_node.nics_per_node is not None:
+        values["inter_node.nics_per_node"] = profile.inter_node.nics_per_node
     for tier in ("intra_node", "inter_node"):
         for algo in getattr(profile, tier).algorithms or []:
             if algo not in _NCCL_ALGORITHMS:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -587,9 +586,11 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(rank: int, nproc: int, port: int, jobs: list[dict], out_dir: str, device: str = "cpu") -> None:
+def _worker(rank: int, nproc: int, jobs: list[dict], out_dir: str, device: str = "cpu") -> None:
     _die_with_parent()
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+    # MASTER_* are set for code that reads them, but the rendezvous is a FileStore in out_dir (below):
+    # no TCP port is picked, so parallel launches (pytest-xdist workers) can never collide on one.
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "RANK": str(rank),
                        "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
                        "DS_ACCELERATOR": device})
     import logging
@@ -610,7 +611,14 @@ def _worker(rank: int, nproc: int, port: int, jobs: list[dict], out_dir: str, de
     _disable_shm_comm_op()
     from datetime import timedelta
 
-    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=180))
+    import torch.distributed as dist
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    store = dist.FileStore(os.path.join(out_dir, "rendezvous"), nproc)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=timedelta(seconds=180))
+    # deepspeed.comm.init_distributed: "the user initialized torch.dist themselves" -> it wraps the
+    # existing group in its TorchBackend instead of creating one (DeepSpeed 0.19.8, comm/comm.py)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=180))
     results = []
     for job in jobs:
         t0 = time.perf_counter()
@@ -626,16 +634,8 @@ def _worker(rank: int, nproc: int, port: int, jobs: list[dict], out_dir: str, de
         with open(path + ".tmp", "w") as fh:
             json.dump(results, fh)
         os.replace(path + ".tmp", path)
-    import torch.distributed as dist
-
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_deepspeed_jobs(jobs: list[dict], *, nproc: int, timeout_s: float = 900.0,
@@ -653,7 +653,7 @@ def run_deepspeed_jobs(jobs: list[dict], *, nproc: int, timeout_s: float = 900.0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         with tempfile.TemporaryDirectory(prefix="zeroplan-ds-") as out_dir:
-            ctx = mp.start_processes(_worker, args=(nproc, _free_port(), jobs, out_dir, device), nprocs=nproc,
+            ctx = mp.start_processes(_worker, args=(nproc, jobs, out_dir, device), nprocs=nproc,
                                      join=False, start_method="spawn")
             deadline = time.monotonic() + timeout_s
             error = None

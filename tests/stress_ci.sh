@@ -7,6 +7,11 @@
 #
 #   tests/stress_ci.sh [N]                      N runs (default 10)
 #
+# Started in the background (`nohup tests/stress_ci.sh 10 &`), every process below it inherits
+# SIGINT and SIGQUIT ignored (bash does that for a non-interactive background job); the suite
+# must pass that way too, so the Ctrl-C test restores them in the command it starts, as a shell
+# does for a foreground job.
+#
 # Environment (all optional):
 #   STRESS_REPO      what to clone (default: this checkout; commit first: a clone sees HEAD only)
 #   STRESS_CMD       the command run inside each clone (default: the README's test command, read

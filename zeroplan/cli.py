@@ -85,6 +85,8 @@ class _ZeroplanGroup(TyperGroup):
         except typer.Abort:
             _error_line("interrupted")
             rv = 130
+        if rv == 130:  # typer turns Ctrl-C (KeyboardInterrupt) into a silent Exit(130): say why we stop
+            _error_line("interrupted")
         if not standalone_mode:
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)

@@ -236,3 +236,26 @@ def test_qlora_sidecar_spells_bitsandbytes():
     q = rec.peft["quantization"]
     assert q == {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
                  "bnb_4bit_quant_storage": "bfloat16", "bnb_4bit_compute_dtype": "bfloat16"}
+
+
+def test_full_fits_only_with_offload_sentence():
+    # 13B on 8 × RTX 4090 (24 GB): full fine-tuning needs optimizer offload, LoRA and QLoRA do not
+    rec = zeroplan.recommend(model="llama-2-13b", hardware="rtx4090-8x-workstation", precision="bf16", stage=3,
+                             allow_nvme=False, method="any", quant_storage="bf16")
+    fs = rec.finetune_search
+    full = fs.variants[0]
+    assert fs.chosen == "full" and full.fits and full.configuration.offload
+    (r,) = [x for x in fs.reasons if x.text().startswith("Full fine-tuning fits only with offload")]
+    lean = next(v for v in fs.variants if v.label == r.words["label"])
+    assert lean.fits and not lean.configuration.offload
+    assert r.quantities["full_tps"].value == pytest.approx(full.tokens_per_s)
+    assert r.quantities["ratio"].value == pytest.approx(full.tokens_per_s / lean.tokens_per_s) and lean.tokens_per_s > full.tokens_per_s
+
+
+def test_sweep_times_lora_as_evaluate_does():
+    # the search's shared sweep and evaluate() count the same frozen-weight FLOPs
+    rec = zeroplan.recommend(**BIG, method="lora")
+    assert rec.plan.step_time_s == pytest.approx(rec.chosen.step_time_s, rel=1e-12)
+    assert rec.plan.time.compute.model_flops < 0.75 * zeroplan.estimate(
+        model="llama-2-70b", hardware="dgx-a100-40gb", gpus=8, precision="bf16", stage=3,
+        micro_batch=rec.chosen.micro_batch, checkpointing=rec.chosen.checkpointing).stages[0].time.compute.model_flops

@@ -259,3 +259,8 @@ def test_sweep_times_lora_as_evaluate_does():
     assert rec.plan.time.compute.model_flops < 0.75 * zeroplan.estimate(
         model="llama-2-70b", hardware="dgx-a100-40gb", gpus=8, precision="bf16", stage=3,
         micro_batch=rec.chosen.micro_batch, checkpointing=rec.chosen.checkpointing).stages[0].time.compute.model_flops
+
+
+def test_method_any_outside_recommend_is_one_line():
+    line = one_error_line(invoke(["estimate", "-m", "llama-2-7b", "--gpus", "8", "--method", "any"]))
+    assert "--method any" in line and "zeroplan recommend" in line

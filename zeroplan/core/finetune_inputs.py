@@ -90,6 +90,9 @@ def _fine_tune(spec: ModelSpec, o: FineTuneOptions) -> FineTune | None:
         return o.from_file
     method = o.method or ("qlora" if o.quant_bits else ("lora" if (o.lora_r or o.lora_targets or o.dora or o.modules_to_save)
                                                        else "full"))
+    if method == "any":  # api.recommend expands it into full, lora and qlora before planning
+        raise InputError("--method any searches the method and is a `zeroplan recommend` option; this command plans "
+                         "one: full, lora or qlora")
     if method not in ("full", "lora", "qlora"):
         raise InputError(f"--method {method!r} is unknown; expected full, lora or qlora")
     if method == "full":

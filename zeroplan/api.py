@@ -31,7 +31,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from zeroplan._util import InputError
-from zeroplan.core.finetune_inputs import FINETUNE_KEYS
+from zeroplan.advice.peft_settings import peft_sidecar_path
+from zeroplan.core.finetune_inputs import FINETUNE_KEYS, finetune_record
 from zeroplan.core.inputs import PlanInputs, annotate_ds_config, build_plan_inputs, refuse_ds_errors
 from zeroplan.core.plan import ClusterSummary, EstimateResult, evaluate, model_summary, training_summary
 from zeroplan.options import (
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # result types of heavier modules, imported when a call needs
     from zeroplan.report.sweep import ReportData
 
 __all__ = [
-    "estimate", "recommend", "check", "config_paths", "build_report", "read_nccl_log", "plan_inputs",
+    "estimate", "recommend", "check", "config_paths", "peft_sidecar_path", "build_report", "read_nccl_log", "plan_inputs",
     "load_model", "load_profile", "load_ds_config",
     "CommonOptions", "PlanOptions", "RecommendOptions", "CheckOptions", "ReportOptions",
     "ModelSpec", "HardwareProfile", "DSConfig", "PlanInputs", "InputError",
@@ -156,20 +157,100 @@ def recommend(options: RecommendOptions | None = None, /, *,
 
     The chosen DeepSpeed config (``ds_config`` of the result) carries a ``zeroplan`` block with the
     sequence length, checkpointing and flash attention it was planned for, so :func:`check` reads
-    them back. ``progress(done, total)`` is called as the search runs.
+    them back; ``peft`` holds the PEFT / Trainer settings it assumes. ``method="any"`` or
+    ``lora_ranks`` search the fine-tuning method and rank (``finetune_search``); ``global_batch``
+    sets the accumulation (``global_batch`` of the result). ``progress(done, total)`` is called
+    as the search runs.
     """
+    from zeroplan.advice.global_batch import parse_global_batch
+    from zeroplan.advice.recommend_finetune import search_finetune
+
     opts = _options(RecommendOptions, options, fields)
     _needs_hardware(opts, "recommend")
     if opts.top < 1:
         raise InputError(f"--top {opts.top} must be a positive integer")
     _validate_model_options(opts)
+    gb = parse_global_batch(opts.global_batch) if opts.global_batch is not None else None
+    if gb is not None and opts.grad_accum is not None:
+        raise InputError("--global-batch sets the gradient accumulation; give it or --grad-accum, not both")
+    if opts.method != "any" and opts.lora_ranks is None:
+        return _recommend_one(opts, gb, progress)
+    methods, ranks, notes = _finetune_variants(opts)
+    rec, fs = search_finetune(lambda m, r: _recommend_one(_variant_options(opts, m, r), gb, progress),
+                              methods=methods, lora_ranks=ranks, quant_bits=opts.quant_bits, notes=notes)
+    rec.finetune_search = fs
+    rec.explanation_reasons[:0] = fs.reasons
+    rec.explanation[:0] = fs.explanation
+    return rec
+
+
+def _variant_options(opts: RecommendOptions, method: str, lora_r: int | None) -> RecommendOptions:
+    """``opts`` for one searched variant: full training drops the LoRA and quantisation settings."""
+    upd: dict[str, Any] = {"method": method, "lora_r": lora_r, "lora_ranks": None}
+    if method == "full":
+        upd |= {"lora_alpha": None, "lora_targets": None, "dora": False, "modules_to_save": None, "quant_bits": None}
+    elif method == "lora":
+        upd["quant_bits"] = None
+    return opts.model_copy(update=upd)
+
+
+def _finetune_variants(opts: RecommendOptions) -> tuple[list[str], list[int], list[str]]:
+    """(methods, LoRA ranks, notes) that ``--method any`` / ``--lora-ranks`` search."""
+    from zeroplan.core.finetune_inputs import DEFAULT_LORA_R
+
+    if opts.method not in (None, "any", "full", "lora", "qlora"):
+        raise InputError(f"--method {opts.method!r} is unknown; expected full, lora, qlora or any")
+    if opts.lora_ranks is not None:
+        if opts.method == "full":
+            raise InputError("--lora-ranks with --method full; LoRA ranks need --method lora, qlora or any")
+        if opts.lora_r is not None:
+            raise InputError(f"--lora-r {opts.lora_r} and --lora-ranks: give one rank or the ranks to search")
+        if not opts.lora_ranks or any(not 1 <= r <= 1 << 16 for r in opts.lora_ranks):
+            raise InputError(f"--lora-ranks {opts.lora_ranks}: expected ranks from 1 to 65536")
+    ranks = sorted(set(opts.lora_ranks or [opts.lora_r or DEFAULT_LORA_R]))
+    qlora_note = ("QLoRA's time counts no dequantisation: bitsandbytes dequantises each 4-bit layer in every "
+                  "forward and backward, so real QLoRA steps are slower than shown (its memory is modelled)")
+    if opts.method != "any":
+        method = opts.method or ("qlora" if opts.quant_bits else "lora")
+        return [method], ranks, [qlora_note] if method == "qlora" else []
+    notes = [qlora_note]
+    methods = ["full", "lora", "qlora"]
+    precision = plan_inputs(_variant_options(opts, "full", None)).training.precision.name
+    if precision == "fp32":
+        methods.remove("qlora")
+        notes = ["QLoRA not searched: it computes in bf16 or fp16 and the precision is fp32 (give --precision bf16)"]
+    return methods, ranks, notes
+
+
+def _recommend_one(opts: RecommendOptions, gb: tuple[int, str] | None,
+                   progress: Callable[[int, int], None] | None) -> Recommendation:
+    """One search (one method and rank); with ``gb`` (target, unit) the accumulation that reaches it."""
+    from zeroplan.advice.global_batch import fit_global_batch
+    from zeroplan.advice.peft_settings import peft_settings
+
     inp = plan_inputs(opts)
-    rec = _recommend(opts, inp, progress)
+    if gb is None:
+        rec = _recommend(opts, inp, progress)
+    else:
+        def run(**kw: Any) -> Any:
+            o = opts.model_copy(update=kw)
+            return _recommend(o, plan_inputs(o), progress)
+
+        rec, chosen_gb = fit_global_batch(run, *gb, data_parallel=inp.n_gpus, seq_len=inp.training.seq_len,
+                                          micro_batch=opts.micro_batch, max_micro_batch=opts.max_micro_batch)
+        rec.global_batch = chosen_gb
+        if rec.global_batch is not None:
+            rec.explanation_reasons.insert(0, rec.global_batch.reason)
+            rec.explanation.insert(0, rec.global_batch.sentence)
+    rec.finetune = inp.finetune.inventory if inp.finetune is not None else None
     if rec.ds_config is not None and rec.chosen is not None:
         rec.ds_config = annotate_ds_config(
             rec.ds_config, seq_len=inp.training.seq_len, checkpointing=rec.chosen.checkpointing,
             flash_attention=inp.training.flash_attention, model=inp.spec.name,
-            hardware=inp.hardware.name if inp.hardware is not None else None, n_gpus=inp.n_gpus)
+            hardware=inp.hardware.name if inp.hardware is not None else None, n_gpus=inp.n_gpus,
+            finetune=finetune_record(inp.finetune))
+        rec.peft = peft_settings(inp.finetune.finetune if inp.finetune is not None else None, rec.training,
+                                 rec.chosen)
     return rec
 
 

@@ -43,7 +43,8 @@ class _Options(BaseModel):
 class FineTuneOptions(_Options):
     """Fine-tuning (core/finetune_inputs.py): which parameters train, and quantised base weights.
 
-    - ``method``: full, lora or qlora (``None``: lora when LoRA settings are given, else full).
+    - ``method``: full, lora or qlora (``None``: lora when LoRA settings are given, else full);
+      ``recommend`` also takes ``any`` (search all three).
     - ``lora_r``, ``lora_alpha``, ``lora_targets`` (PEFT module names, comma-separated, or
       ``all-linear``; ``None``: PEFT's default for the family), ``dora``, ``modules_to_save``.
     - ``trainable``: globs of parameter names (or ``last:K``) for partial full fine-tuning.
@@ -130,12 +131,19 @@ class PlanOptions(CommonOptions, _ConfigOptions):
 class RecommendOptions(CommonOptions, _ConfigOptions):
     """``recommend``'s search. ``hardware`` is required. ``headroom``: fraction of GPU memory and
     host RAM to keep free; ``max_micro_batch``: the largest micro-batch searched (``None``: 1024);
-    ``allow_nvme``: consider NVMe offload; ``top``: alternatives listed."""
+    ``allow_nvme``: consider NVMe offload; ``top``: alternatives listed.
+
+    Fine-tuning searches (advice/recommend_finetune.py): ``method="any"`` searches full, LoRA and
+    QLoRA; ``lora_ranks`` (e.g. ``[8, 16, 64]``) searches those LoRA ranks (``None``: ``lora_r``).
+    ``global_batch``: a global batch target such as ``"4Mtokens"`` or ``"512samples"``
+    (advice/global_batch.py); it sets the gradient accumulation."""
 
     headroom: float = 0.10
     max_micro_batch: Optional[int] = None
     allow_nvme: bool = True
     top: int = 8
+    lora_ranks: Optional[List[int]] = None
+    global_batch: Optional[str] = None
 
 
 class CheckOptions(CommonOptions):

@@ -48,7 +48,9 @@ Where each part lives (advice/): ``recommend_models`` (constants, ``Candidate``,
 ``Recommendation``, ``candidate_zero``), ``recommend_sweep`` (the shared evaluation: ``_Family``,
 ``_Sweep``), ``recommend_search`` (the grid and the walk, ``nodes_needed``), ``recommend_rank``
 (the ranking, the alternatives table, the per-stage summaries), ``recommend_explain`` (the
-sentences). This module validates the options, runs them in order and re-exports the models, so
+sentences); around one search, driven by the API: ``recommend_finetune`` (``--method any`` /
+``--lora-ranks``: one search per method and rank, and the choice between them), ``global_batch``
+(``--global-batch`` → gradient accumulation) and ``peft_settings`` (the PEFT / Trainer sidecar). This module validates the options, runs them in order and re-exports the models, so
 ``from zeroplan.advice.recommend import Recommendation, candidate_zero, recommend`` keeps working.
 
 Imports: module level only; nothing here imports torch or rich.

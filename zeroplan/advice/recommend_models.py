@@ -11,8 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from zeroplan.advice.global_batch import GlobalBatch
 from zeroplan.advice.reasons import Alternative, Reason
 from zeroplan.core.plan import ClusterSummary, ModelSummary, Plan
+from zeroplan.specs.finetune import FineTuneInventory
 
 __all__ = [
     "Candidate",
@@ -26,6 +28,9 @@ __all__ = [
     "PREFETCH_SMALL",
     "CKPT_ORDER",
     "NVME_PATH",
+    "FineTuneVariant",
+    "FineTuneSearch",
+    "FINETUNE_RULE",
 ]
 
 NOISE = 0.05  # configurations within 5% of the best useful throughput are "as fast"
@@ -36,8 +41,8 @@ CKPT_ORDER = ("none", "selective", "full")
 NVME_PATH = "/local_nvme"  # placeholder written into emitted configs; set it to the NVMe mount
 USEFUL_THROUGHPUT = (
     "useful throughput = global training tokens per second = micro_batch × seq_len × grad_accum × "
-    "n_gpus / step_time; step_time = compute (6·Ψ FLOPs per token, 8·Ψ with full recomputation, at "
-    "peak FLOP/s × MFU) + exposed communication (mean of best/worst overlap) + offload PCIe time. "
+    "n_gpus / step_time; step_time = compute (6·Ψ FLOPs per token, 4·Ψ for frozen weights, + 2·Ψ with full "
+    "recomputation, at peak FLOP/s × MFU) + exposed communication (mean of best/worst overlap) + offload PCIe time. "
     "Recomputation and offload traffic are cost, not work."
 )
 
@@ -92,6 +97,40 @@ class StageSummary(BaseModel):
     leanest_reason: str  # core's peak_reason for it
 
 
+FINETUNE_RULE = (
+    "the least approximate method that fits (full, else LoRA, else QLoRA); among its ranks the largest "
+    f"within {NOISE:.0%} of the fastest fitting rank's useful throughput")
+
+
+class FineTuneVariant(BaseModel):
+    """One searched method (and rank): its best configuration, or its leanest when nothing fits."""
+
+    label: str  # "full", "LoRA r=16", "QLoRA 4-bit r=16"
+    method: str
+    lora_r: int | None = None
+    trainable_params: int
+    fits: bool
+    configuration: Candidate  # the chosen configuration, or the leanest without offload when nothing fits
+    peak_bytes: int  # configuration.peak_bytes
+    tokens_per_s: float | None = None  # useful throughput of the chosen configuration (None: nothing fits)
+    grad_accum: int
+
+
+class FineTuneSearch(BaseModel):
+    """What ``--method any`` / ``--lora-ranks`` searched and chose (``Recommendation.finetune_search``)."""
+
+    methods: list[str]
+    lora_ranks: list[int] = Field(default_factory=list)
+    rule: str = FINETUNE_RULE
+    variants: list[FineTuneVariant] = Field(default_factory=list)
+    chosen: str | None = None  # the chosen variant's label; the Recommendation around it is its search
+    usable_gpu_bytes: int
+    gpu_memory_bytes: int
+    reasons: list[Reason] = Field(default_factory=list)
+    explanation: list[str] = Field(default_factory=list)  # reasons as text
+    notes: list[str] = Field(default_factory=list)
+
+
 class Recommendation(BaseModel):
     """What ``zeroplan recommend --json`` prints. Bytes are ints; GB = 1e9 bytes."""
 
@@ -119,6 +158,10 @@ class Recommendation(BaseModel):
     assumptions: list[str] = Field(default_factory=list)
     ds_config: dict[str, Any] | None = None  # the chosen DeepSpeed config (build_ds_config)
     ds_config_diff: list[dict[str, Any]] | None = None  # vs --ds-config: {key, old, new}
+    finetune: FineTuneInventory | None = None  # trainable / frozen / adapter counts (None: full training)
+    finetune_search: FineTuneSearch | None = None  # --method any / --lora-ranks: every variant searched
+    global_batch: GlobalBatch | None = None  # --global-batch: the accumulation chosen for it
+    peft: dict[str, Any] | None = None  # the PEFT / Trainer settings the plan assumes (--emit-config's sidecar)
 
 
 def candidate_zero(base_zero: Any, *, offload_optimizer: str, offload_param: str, reduce_bucket_size: int,

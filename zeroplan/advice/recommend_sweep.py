@@ -22,6 +22,7 @@ from zeroplan.core.allocator import communicators, reserved_bytes
 from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
 from zeroplan.core.layout import build_layout
 from zeroplan.core.finetune import ledger_layouts
+from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.core.memory import memory_for_stage
 from zeroplan.core.timing import estimate_time
 
@@ -175,6 +176,7 @@ class _Sweep:
         self.hw = inp.hardware
         # with frozen weights, the layouts hold every parameter incl. adapters (core/finetune.py)
         self.spec = inp.spec if inp.finetune is None else inp.finetune.full
+        self.work = matmul_work(inp.spec, inp.finetune)  # frozen weights skip the weight-gradient GEMM
         self.n = inp.n_gpus
         self.gpn = inp.gpus_per_node
         self.comm_model = comm_model
@@ -285,5 +287,6 @@ class _Sweep:
 
     def time(self, ledger: Any, mb: int, ckpt: str) -> Any:
         return estimate_time(ledger, self.training(mb, ckpt), self.hw, active_params=self.spec.active_params,
-                             n_gpus=self.n, gpus_per_node=self.gpn, mfu=self.mfu, model=self.spec)
+                             n_gpus=self.n, gpus_per_node=self.gpn, mfu=self.mfu, model=self.spec,
+                             work=self.work)
 

@@ -28,7 +28,8 @@ __all__ = [
     "SeqLen", "GradAccum", "Checkpointing", "FlashAttention", "OffloadOptimizer", "OffloadParam", "Stage",
     "Headroom", "CommModel", "OptimizerImpl", "Mfu", "Strict", "Lenient", "Json",
     "Method", "LoraR", "LoraAlpha", "LoraTargets", "Dora", "ModulesToSave", "Trainable", "QuantBits", "DoubleQuant",
-    "QuantStorage", "AccelerateConfig", "HfArgs", "Axolotl", "LlamaFactory",
+    "QuantStorage", "AccelerateConfig", "HfArgs", "Axolotl", "LlamaFactory", "LoraRanks", "GlobalBatchTarget",
+    "parse_ranks",
     "DEFAULT_HEADROOM", "DEFAULT_MFU", "DEFAULT_COMM_MODEL", "DEFAULT_TOP", "DEFAULT_FAIL_ON",
     "DEFAULT_MAX_COMM_SHARE", "DEFAULT_MAX_NODES",
 ]
@@ -125,8 +126,16 @@ Json = Annotated[bool, typer.Option(
 
 # ---- fine-tuning (core/finetune_inputs.py); one definition for every planning command ----
 Method = Annotated[Optional[str], typer.Option(
-    "--method", metavar="full|lora|qlora", show_default="lora when LoRA options are given, else full",
-    help="What trains: every weight, LoRA adapters, or LoRA on 4/8-bit base weights (QLoRA).")]
+    "--method", metavar="full|lora|qlora|any", show_default="lora when LoRA options are given, else full",
+    help="What trains: every weight, LoRA adapters, or LoRA on 4/8-bit base weights (QLoRA). recommend also "
+         "takes any: search all three and take full if it fits, else LoRA, else QLoRA.")]
+LoraRanks = Annotated[Optional[str], typer.Option(
+    "--lora-ranks", metavar="R,R,...", show_default="--lora-r",
+    help="recommend: search these LoRA ranks (8,16,64) and take the largest within 5% of the fastest that fits.")]
+GlobalBatchTarget = Annotated[Optional[str], typer.Option(
+    "--global-batch", metavar="N{K,M,G}tokens|N{K,M,G}samples", show_default="none (--grad-accum)",
+    help="recommend: a global batch target, e.g. 4Mtokens or 512samples (K/M/G = 10^3/10^6/10^9; the unit is "
+         "required); sets gradient accumulation = ceil(target / (micro-batch × GPUs [× seq-len])).")]
 LoraR = Annotated[Optional[int], typer.Option(
     "--lora-r", metavar="R", show_default="8", help="LoRA rank (PEFT's r).")]
 LoraAlpha = Annotated[Optional[float], typer.Option(
@@ -181,6 +190,19 @@ def parse_stages(values: list[str] | None) -> list[int] | None:
     return sorted(set(out))
 
 
+def parse_ranks(value: str | None) -> list[int] | None:
+    """``--lora-ranks 8,16,64`` -> [8, 16, 64] (sorted, unique), or None."""
+    if value is None:
+        return None
+    out: list[int] = []
+    for part in str(value).split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise InputError(f"--lora-ranks {value!r}: {part!r} is not a positive whole rank; expected e.g. 8,16,64")
+        out.append(int(part))
+    return sorted(set(out))
+
+
 O = TypeVar("O", bound=CommonOptions)
 
 
@@ -190,6 +212,8 @@ def options_from(cls: type[O], params: dict[str, Any]) -> O:
     fields = {k: v for k, v in params.items() if k in cls.model_fields}
     if isinstance(fields.get("stage"), list):
         fields["stage"] = parse_stages(fields["stage"])
+    if isinstance(fields.get("lora_ranks"), str):
+        fields["lora_ranks"] = parse_ranks(fields["lora_ranks"])
     return cls(**fields)
 
 

@@ -9,7 +9,7 @@ import typer
 from typing_extensions import Annotated
 
 from zeroplan.commands._common import (
-    Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, OptionalModel,
+    Method, LoraR, LoraRanks, GlobalBatchTarget, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, DEFAULT_TOP, Checkpointing, CommModel, DsConfig,
     FlashAttention, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, Json, Lenient, MicroBatch, Mfu, Nodes,
     Optimizer, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
@@ -44,8 +44,13 @@ def render_recommendation(con: Any, rec: Any) -> None:
               f"{t['grad_accum']}, micro-batch {t['micro_batch']}, checkpointing {t['checkpointing']}; "
               f"headroom {rec.headroom:.0%}; {rec.searched:,} configurations decided", markup=False)
     con.print()
+    fs = rec.finetune_search
+    if fs is not None:
+        _render_finetune(con, fs)
+    what = f"{fs.chosen} on " if fs is not None and fs.chosen is not None else ""
     if rec.chosen is not None:
-        con.print(f"[bold green]Use {rec.chosen.label()}[/] with micro-batch {rec.chosen.micro_batch} and "
+        ga = f", gradient accumulation {rec.training['grad_accum']}" if rec.global_batch is not None else ""
+        con.print(f"[bold green]Use {what}{rec.chosen.label()}[/] with micro-batch {rec.chosen.micro_batch}{ga} and "
                   f"checkpointing {rec.chosen.checkpointing}.", markup=True)
     else:
         con.print("[bold red]Nothing fits.[/]", markup=True)
@@ -89,6 +94,38 @@ def render_recommendation(con: Any, rec: Any) -> None:
     con.print(f"[dim]{rec.useful_throughput}[/]", markup=True, highlight=False)
 
 
+def _render_finetune(con: Any, fs: Any) -> None:
+    from rich.table import Table
+
+    from zeroplan.report.render import gb
+
+    table = Table(title=f"Fine-tuning methods searched (chosen: {fs.rule})", title_justify="left")
+    for col, just in (("method", "left"), ("trainable", "right"), ("fits", "left"), ("configuration", "left"),
+                      ("micro-batch", "right"), ("grad-accum", "right"), ("peak/GPU", "right"), ("tokens/s", "right")):
+        table.add_column(col, justify=just)
+    for v in fs.variants:
+        c = v.configuration
+        mark = "→ " if v.label == fs.chosen else ""
+        table.add_row(f"{mark}{v.label}", f"{v.trainable_params:,}", "yes" if v.fits else "no (leanest shown)",
+                      f"{c.label()}, {c.checkpointing} ckpt", str(c.micro_batch), str(v.grad_accum), gb(v.peak_bytes),
+                      f"{v.tokens_per_s:,.0f}" if v.tokens_per_s is not None else "-")
+    con.print(table)
+    for n in fs.notes:
+        con.print(f"  note: {n}", markup=False, highlight=False)
+
+
+def _write_peft(path: str, rec: Any, ds_config_path: str) -> None:
+    """The PEFT / Trainer settings sidecar (advice/peft_settings.py), atomically, pointing at the DeepSpeed file."""
+    import json
+
+    from zeroplan._util import atomic_write_text
+
+    settings = dict(rec.peft or {})
+    if "trainer" in settings:
+        settings["trainer"] = {**settings["trainer"], "deepspeed": ds_config_path}
+    atomic_write_text(path, json.dumps(settings, indent=2, allow_nan=False) + "\n")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("recommend")
     @handle_errors
@@ -121,9 +158,12 @@ def register(app: typer.Typer) -> None:
         emit_config: Annotated[Optional[str], typer.Option(
             "--emit-config", metavar="PATH", show_default="none",
             help="Write the chosen DeepSpeed config (JSON, atomically), with a zeroplan block recording the "
-                 "sequence length and checkpointing it assumes, so `zeroplan check` reads them back.")] = None,
+                 "sequence length and checkpointing it assumes, so `zeroplan check` reads them back; and beside it "
+                 "(PATH.json -> PATH.peft.json) the PEFT, bitsandbytes and Trainer settings it assumes.")] = None,
         method: Method = None,
         lora_r: LoraR = None,
+        lora_ranks: LoraRanks = None,
+        global_batch: GlobalBatchTarget = None,
         lora_alpha: LoraAlpha = None,
         lora_targets: LoraTargets = None,
         dora: Dora = False,
@@ -147,8 +187,12 @@ def register(app: typer.Typer) -> None:
         from zeroplan._util import validate_output_path
         from zeroplan.api import recommend as recommend_api
 
-        validate_output_path(emit_config, option="--emit-config",
-                             inputs={"--ds-config": ds_config, "--hardware": hardware, "--model": model})
+        from zeroplan.api import peft_sidecar_path
+
+        sidecar = peft_sidecar_path(emit_config) if emit_config is not None else None
+        for path in (emit_config, sidecar):
+            validate_output_path(path, option="--emit-config",
+                                 inputs={"--ds-config": ds_config, "--hardware": hardware, "--model": model})
         options = options_from(RecommendOptions, locals())
         show_progress = not json_out and sys.stdout.isatty()
         prog_cb = None
@@ -171,13 +215,14 @@ def register(app: typer.Typer) -> None:
             from zeroplan.specs.deepspeed_config import write_ds_config
 
             write_ds_config(emit_config, rec.ds_config)
+            _write_peft(sidecar, rec, emit_config)
         if json_out:
             print_json(rec)
         else:
             con = console()
             render_recommendation(con, rec)
             if emit_config is not None and rec.ds_config is not None:
-                con.print(f"wrote {emit_config}", markup=False, highlight=False)
+                con.print(f"wrote {emit_config} and {sidecar}", markup=False, highlight=False)
         if emit_config is not None and rec.ds_config is None:
             from zeroplan.commands._common import fail
 

@@ -13,6 +13,9 @@ actually passes through:
 - attention scores and values: 2 · 2 · s · (heads · head_dim) forward per token and layer
   (Q·Kᵀ and P·V over the whole sequence, without the causal half counted off, as published MFU
   tables count it), 3× for forward + backward: 12 · L · (heads·head_dim) · s.
+Fine-tuning (core/finetune_compute.py): a frozen weight skips its weight-gradient GEMM, so it
+costs 2 forward + 2 backward (the activation gradient) = 4 per token; trainable weights, LoRA's A
+and B included, cost 6. ``work.trainable_share`` is the share of matmul FLOPs whose weights train.
 Full activation checkpointing runs the forward once more (+1/3 of the matmul work, and the
 attention forward again); selective checkpointing recomputes the attention core only.
 ``model_flops`` is the work without recomputation (what MFU divides by), ``hardware_flops``
@@ -36,6 +39,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from zeroplan._util import InputError
+from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
 from zeroplan.specs.training import TrainingSetup
 
 __all__ = ["ComputeEstimate", "GENERATIONS", "Generation", "flops_per_token", "gpu_generation", "estimate_compute",
@@ -159,12 +163,19 @@ class ComputeEstimate(BaseModel):
     backward_time_s: float = 0.0
 
 
-def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float | None = None) -> ComputeEstimate:
-    """Compute time for ``grad_accum`` micro-steps of ``micro_batch × seq_len`` tokens on one GPU."""
+def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float | None = None,
+                     work: MatmulWork = FULL_TRAINING) -> ComputeEstimate:
+    """Compute time for ``grad_accum`` micro-steps of ``micro_batch × seq_len`` tokens on one GPU;
+    ``work``: which matmul weights train (fine-tuning; default: all)."""
     tokens = training.micro_batch * training.seq_len * training.grad_accum
     f = flops_per_token(model, training.seq_len)
-    fwd_mm, fwd_att = f["matmul"] * tokens, f["attention"] * tokens
-    model_flops = 3 * (fwd_mm + fwd_att)
+    # LoRA's A and B run as extra matmuls beside the weights they adapt (2 FLOPs per weight forward)
+    fwd_mm, fwd_att = (f["matmul"] + 2.0 * work.adapter_params_per_token) * tokens, f["attention"] * tokens
+    fwd_ad = 2.0 * work.adapter_params_per_token * tokens
+    # backward: the activation gradient of every matmul (= its forward) plus the weight gradient
+    # (= its forward) of the trainable ones only; adapters always train (core/finetune_compute.py)
+    bwd_mm = fwd_mm + (fwd_mm - fwd_ad) * work.trainable_share + fwd_ad
+    model_flops = fwd_mm + bwd_mm + 3 * fwd_att
     ck = training.checkpointing
     re_mm = fwd_mm if ck == "full" else 0.0
     re_att = fwd_att if ck in ("full", "selective") else 0.0
@@ -184,7 +195,7 @@ def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float
     small = min(m_tokens, model.hidden_size)
     shape = small / (small + GEMM_HALF_DIM)
     att_frac = gen.attention_fraction * (1.0 if training.flash_attention else 0.5)
-    t_mm = (3 * fwd_mm + re_mm) / (peak * gen.gemm_fraction * shape)
+    t_mm = (fwd_mm + bwd_mm + re_mm) / (peak * gen.gemm_fraction * shape)
     t_att = (3 * fwd_att + re_att) / (peak * att_frac)
     ew_bytes = ELEMENTWISE_H_PER_TOKEN_LAYER * model.hidden_size * training.precision.activation_bytes \
         * f["layers"] * tokens * (4 / 3 if ck == "full" else 1.0)

@@ -37,6 +37,7 @@ class FineTuneViews:
     full: ModelSpec  # every parameter the model holds (base + adapters + copies)
     frozen_storage_bytes: int  # frozen base weights at rest, whole (compute dtype or quantised)
     quantized_params: int  # base elements stored quantised (they are in `full` as elements)
+    finetune: FineTune | None = None  # the settings these views were made from (PEFT's r, targets, quantisation)
 
 
 def _view(spec: ModelSpec, tensors: list, suffix: str) -> ModelSpec:
@@ -69,7 +70,7 @@ def finetune_views(spec: ModelSpec, ft: FineTune, compute_bytes: int) -> FineTun
     full = _view(spec, sorted(inv.frozen_tensors + inv.trainable_tensors, key=key), "with adapters")
     return FineTuneViews(inventory=inv, trainable=trainable, full=full,
                          frozen_storage_bytes=int(inv.frozen_storage_bytes or 0),
-                         quantized_params=inv.quantized_params)
+                         quantized_params=inv.quantized_params, finetune=ft)
 
 
 def ledger_layouts(layout: Layout, train_layout: Layout | None, stage: int) -> tuple[Layout, Layout | None]:

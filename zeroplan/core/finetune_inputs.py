@@ -31,7 +31,7 @@ FINETUNE_KEYS = ("method", "lora_r", "lora_alpha", "lora_targets", "dora", "modu
                  "quant_bits", "double_quant", "quant_storage", "accelerate_config", "hf_args", "axolotl",
                  "llama_factory")
 
-__all__ = ["FINETUNE_KEYS", "FineTuneOptions", "TRAINING_FILE_OPTIONS", "read_training_files", "resolve_finetune", "PEFT_DEFAULT_TARGETS"]
+__all__ = ["FINETUNE_KEYS", "DEFAULT_LORA_R", "finetune_record", "fill_from_record", "FineTuneOptions", "TRAINING_FILE_OPTIONS", "read_training_files", "resolve_finetune", "PEFT_DEFAULT_TARGETS"]
 
 # peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: PEFT's targets when
 # LoraConfig gets none
@@ -44,6 +44,7 @@ TRAINING_FILE_OPTIONS = {"accelerate_config": "accelerate", "hf_args": "hf-args"
                          "llama_factory": "llama-factory"}
 _QUANT_STORAGE = {"uint8": "uint8", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                   "float16": "float16", "fp32": "float32", "float32": "float32"}
+DEFAULT_LORA_R = 8  # PEFT's LoraConfig.r default
 _DTYPE_OF_PRECISION = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -89,6 +90,9 @@ def _fine_tune(spec: ModelSpec, o: FineTuneOptions) -> FineTune | None:
         return o.from_file
     method = o.method or ("qlora" if o.quant_bits else ("lora" if (o.lora_r or o.lora_targets or o.dora or o.modules_to_save)
                                                        else "full"))
+    if method == "any":  # api.recommend expands it into full, lora and qlora before planning
+        raise InputError("--method any searches the method and is a `zeroplan recommend` option; this command plans "
+                         "one: full, lora or qlora")
     if method not in ("full", "lora", "qlora"):
         raise InputError(f"--method {method!r} is unknown; expected full, lora or qlora")
     if method == "full":
@@ -116,7 +120,7 @@ def _fine_tune(spec: ModelSpec, o: FineTuneOptions) -> FineTune | None:
         raise InputError(f"--quant-storage {o.quant_storage!r} is unknown; expected uint8, bf16, fp16 or fp32")
     return FineTune(
         method=method,
-        lora=LoraSpec(r=o.lora_r or 8, alpha=o.lora_alpha, targets=targets, dora=o.dora,
+        lora=LoraSpec(r=o.lora_r or DEFAULT_LORA_R, alpha=o.lora_alpha, targets=targets, dora=o.dora,
                       modules_to_save=_names(o.modules_to_save)),
         quant=QuantSpec(bits=o.quant_bits, double_quant=o.double_quant, storage_dtype=storage) if method == "qlora" else None,
         trainable=_names(o.trainable),
@@ -162,3 +166,52 @@ def fill_from_file(tf: TrainingFile, kw: dict[str, Any]) -> list[str]:
         shown = ", ".join(tf.ignored_keys[:12]) + (" …" if len(tf.ignored_keys) > 12 else "")
         notes.append(f"{tf.source}: keys that do not change memory, ignored: {shown}")
     return notes
+
+
+# The fine-tuning a recommended DeepSpeed config was planned with, recorded in its ``zeroplan``
+# block (core/inputs.py annotate_ds_config) so ``check`` and ``estimate`` plan the same thing back
+# when no fine-tuning flag is given. key -> the types it may hold.
+_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "method": (str,), "lora_r": (int,), "lora_alpha": (int, float), "lora_targets": (str,), "dora": (bool,),
+    "modules_to_save": (str,), "trainable": (str,), "quant_bits": (int,), "double_quant": (bool,),
+    "quant_storage": (str,),
+}
+
+
+def finetune_record(views: FineTuneViews | None) -> dict[str, Any] | None:
+    """The options that give ``views`` again (None for full training of every weight)."""
+    ft = views.finetune if views is not None else None
+    if ft is None:
+        return None
+    out: dict[str, Any] = {"method": ft.method}
+    if ft.lora is not None:
+        lo = ft.lora
+        out |= {"lora_r": lo.r, "lora_targets": lo.targets if isinstance(lo.targets, str) else ",".join(lo.targets),
+                "dora": lo.dora}
+        if lo.alpha is not None:
+            out["lora_alpha"] = lo.alpha
+        if lo.modules_to_save:
+            out["modules_to_save"] = ",".join(lo.modules_to_save)
+    if ft.trainable:
+        out["trainable"] = ",".join(ft.trainable)
+    if ft.quant is not None:
+        storage = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(ft.quant.storage_dtype,
+                                                                                  ft.quant.storage_dtype)
+        out |= {"quant_bits": ft.quant.bits, "double_quant": ft.quant.double_quant, "quant_storage": storage}
+    return out
+
+
+def fill_from_record(o: FineTuneOptions, record: Any, where: str) -> list[str]:
+    """Fill ``o`` from a config's ``zeroplan.finetune`` record when no fine-tuning flag or training
+    file said anything; returns the note. A malformed record is an InputError naming ``where``."""
+    if record is None or o.given or o.from_file is not None:
+        return []
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: zeroplan.finetune = {record!r}: expected an object of fine-tuning options")
+    for k, v in record.items():
+        types = _RECORD_TYPES.get(k)
+        if types is None or isinstance(v, bool) and bool not in types or not isinstance(v, types):
+            raise InputError(f"{where}: zeroplan.finetune.{k} = {v!r}: expected one of {', '.join(_RECORD_TYPES)} "
+                             "with the type its --option takes")
+        setattr(o, k, v)
+    return [f"fine-tuning {record.get('method')} from {where}: zeroplan.finetune (give --method to override)"]

@@ -14,7 +14,9 @@ from typing import Any
 
 from zeroplan._util import InputError, read_text_file
 from zeroplan.core.finetune import FineTuneViews
-from zeroplan.core.finetune_inputs import FineTuneOptions, fill_from_file, read_training_files, resolve_finetune
+from zeroplan.core.finetune_inputs import (
+    FineTuneOptions, fill_from_file, fill_from_record, read_training_files, resolve_finetune,
+)
 from zeroplan.specs.deepspeed_config import (
     DEEPSPEED_VERSION,
     ZEROPLAN_KEY,
@@ -300,6 +302,7 @@ def build_plan_inputs(
         stages = [0, 1, 2, 3]
     if spec.approximate:
         assumptions.extend(spec.notes)
+    file_notes += fill_from_record(ft_opts, meta.get("finetune"), str(ds_config))
     views, stages = resolve_finetune(spec, ft_opts, prec.name, stages,
                                      stage_explicit=bool(stage_list) or ds is not None)
     if not stages:
@@ -322,6 +325,7 @@ _META_CHECKS = {
     "seq_len": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 10**8),
     "checkpointing": ("none, selective or full", lambda v: v in CHECKPOINTING),
     "flash_attention": ("true or false", lambda v: isinstance(v, bool)),
+    "finetune": ("an object of fine-tuning options", lambda v: isinstance(v, dict)),
 }
 
 
@@ -356,7 +360,8 @@ def planning_metadata(ds: DSConfig) -> dict[str, Any]:
 
 
 def annotate_ds_config(config: dict[str, Any], *, seq_len: int, checkpointing: str, flash_attention: bool,
-                       model: str, hardware: str | None, n_gpus: int) -> dict[str, Any]:
+                       model: str, hardware: str | None, n_gpus: int,
+                       finetune: dict[str, Any] | None = None) -> dict[str, Any]:
     """``config`` plus what the plan assumed: a ``zeroplan`` block (read back by ``check`` and
     ``estimate``) and, for full checkpointing, DeepSpeed's ``activation_checkpointing`` block with
     DeepSpeed's defaults (what ``deepspeed.checkpointing.checkpoint`` uses when the script calls it;
@@ -371,6 +376,8 @@ def annotate_ds_config(config: dict[str, Any], *, seq_len: int, checkpointing: s
         "planned_for": {"model": model, "hardware": hardware, "gpus": n_gpus},
         "note": "written by zeroplan recommend; DeepSpeed ignores this key",
     }
+    if finetune is not None:  # core/finetune_inputs.py finetune_record: read back by fill_from_record
+        out[ZEROPLAN_KEY]["finetune"] = finetune
     return out
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
 from zeroplan.core.finetune import FineTuneViews, ledger_layouts
+from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.specs.finetune import FineTuneInventory
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
 from zeroplan.core.layout import build_layout
@@ -132,7 +133,7 @@ def evaluate(
             plan.host_fits = False
             plan.notes.append("NVMe offload exceeds the node's NVMe capacity")
         t = estimate_time(ledger, training, hardware, active_params=model.active_params, n_gpus=n_gpus,
-                          gpus_per_node=gpus_per_node, mfu=mfu, model=model)
+                          gpus_per_node=gpus_per_node, mfu=mfu, model=model, work=matmul_work(model, finetune))
         plan.time = t
         plan.notes.extend(a for a in t.assumptions if a not in plan.notes)
         plan.comm.time_s = t.comm_time_s

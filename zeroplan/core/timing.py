@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from zeroplan._util import InputError
 from zeroplan.core.comm import CommLedger, LedgerEntry
 from zeroplan.core.compute import ComputeEstimate, estimate_compute, peak_flops
+from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
 from zeroplan.core.nccl_model import collective_choice
 from zeroplan.core.overlap import OVERLAP_SLOWDOWN, OVERLAP_SLOWDOWN_SOURCE, PhaseComm, schedule_overlap
 from zeroplan.specs.collectives import busbw_factor
@@ -111,18 +112,22 @@ class TimeEstimate(BaseModel):
     assumptions: list[str] = Field(default_factory=list)
 
 
-def _legacy_compute(active_params: int, training: TrainingSetup, hw: Any, mfu: float | None) -> ComputeEstimate:
-    """Without an architecture: 6·Ψ·tokens (8· with full recomputation) at ``mfu`` (0.4 if none)."""
+def _legacy_compute(active_params: int, training: TrainingSetup, hw: Any, mfu: float | None,
+                    work: MatmulWork = FULL_TRAINING) -> ComputeEstimate:
+    """Without an architecture: 6·Ψ·tokens (8· with full recomputation) at ``mfu`` (0.4 if none);
+    frozen weights 4·Ψ (no weight-gradient GEMM, core/finetune_compute.py)."""
     tokens = training.micro_batch * training.seq_len * training.grad_accum
-    model = 6.0 * active_params * tokens
-    hard = model * (8 / 6 if training.checkpointing == "full" else 1)
+    per_param = 4.0 + 2.0 * work.trainable_share
+    model = per_param * active_params * tokens
+    hard = model + (2.0 * active_params * tokens if training.checkpointing == "full" else 0.0)
     peak = peak_flops(hw, training)
     rate = 0.4 if mfu is None else mfu
     t = model / (peak * rate)
+    fwd_per, hard_per = (4.0, per_param + 2.0) if training.checkpointing == "full" else (2.0, per_param)
     return ComputeEstimate(time_s=t, model_flops=model, hardware_flops=hard, attention_share=0.0, peak_flops=peak,
-                           mfu=rate, source=f"6Ψ per token at MFU {rate:g} (no architecture given)",
-                           generation="unknown", forward_time_s=t * (2 / 6 if training.checkpointing != "full" else 4 / 8),
-                           backward_time_s=t * (4 / 6 if training.checkpointing != "full" else 4 / 8))
+                           mfu=rate, source=f"{per_param:g}Ψ per token at MFU {rate:g} (no architecture given)",
+                           generation="unknown", forward_time_s=t * fwd_per / hard_per,
+                           backward_time_s=t * (per_param - 2.0) / hard_per)
 
 
 def estimate_time(
@@ -135,9 +140,11 @@ def estimate_time(
     gpus_per_node: int,
     mfu: float | None = DEFAULT_MFU,
     model: Any = None,
+    work: MatmulWork = FULL_TRAINING,
 ) -> TimeEstimate:
-    comp = estimate_compute(model, training, hw, mfu=mfu) if model is not None else \
-        _legacy_compute(active_params, training, hw, mfu)
+    """``work``: which matmul weights train (core/finetune_compute.py; default: all of them)."""
+    comp = estimate_compute(model, training, hw, mfu=mfu, work=work) if model is not None else \
+        _legacy_compute(active_params, training, hw, mfu, work)
     compute = comp.time_s
     gas = training.grad_accum
     phases = {"forward": PhaseComm(), "backward": PhaseComm(), "step": PhaseComm()}

@@ -37,12 +37,15 @@ def _read_int_key(r: _Reader, key: str, raw: Any) -> int | None:
     return raw
 
 
-def _read_batch(r: _Reader, raw: dict[str, Any], micro_batch: int | None,
-                grad_accum: int | None, world_size: int | None) -> tuple[int | None, int | None, int | None]:
+_BATCH_FLAGS = {"train_micro_batch_size_per_gpu": "--micro-batch", "gradient_accumulation_steps": "--grad-accum"}
+
+
+def _batch_values(r: _Reader, raw: dict[str, Any], given: dict[str, int | None],
+                  world_size: int | None) -> dict[str, Any]:
+    """The three batch keys as written, each "auto" resolved as the HF Trainer would (or None)."""
     vals: dict[str, Any] = {}
     explicit: dict[str, int | None] = {}
-    given = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum}
-    flags = {"train_micro_batch_size_per_gpu": "--micro-batch", "gradient_accumulation_steps": "--grad-accum"}
+    flags = _BATCH_FLAGS
     for key in _BATCH_KEYS:
         v = raw.get(key)
         if _is_auto(v):
@@ -82,6 +85,13 @@ def _read_batch(r: _Reader, raw: dict[str, Any], micro_batch: int | None,
             r.add("DS007", "warning", "train_batch_size",
                   f"train_batch_size = \"auto\" cannot be resolved yet ({how}); DeepSpeed's fill-in "
                   "rule derives it when the other two are known", "auto")
+    return vals
+
+
+def _read_batch(r: _Reader, raw: dict[str, Any], micro_batch: int | None,
+                grad_accum: int | None, world_size: int | None) -> tuple[int | None, int | None, int | None]:
+    given = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum}
+    vals = _batch_values(r, raw, given, world_size)
 
     tb, mb, gas = vals["train_batch_size"], vals["train_micro_batch_size_per_gpu"], vals["gradient_accumulation_steps"]
     if tb is None and mb is None:
@@ -100,7 +110,13 @@ def _read_batch(r: _Reader, raw: dict[str, Any], micro_batch: int | None,
                   f"gradient_accumulation_steps={gas} (= {mb * gas}); DeepSpeed asserts "
                   "train_batch_size == micro_batch * grad_accum * world_size", tb)
         return tb, mb, gas
-    ws = int(world_size)
+    return _fill_batch(r, raw, given, tb, mb, gas, int(world_size))
+
+
+def _fill_batch(r: _Reader, raw: dict[str, Any], given: dict[str, int | None], tb: int | None,
+                mb: int | None, gas: int | None, ws: int) -> tuple[int | None, int | None, int | None]:
+    """DeepSpeed's fill-in rule and batch assertion, with the data-parallel world size known."""
+    flags = _BATCH_FLAGS
     # DeepSpeedConfig._set_batch_related_parameters (integer floor division).
     if tb is not None and mb is not None and gas is not None:
         pass

@@ -77,32 +77,22 @@ def _read_dict_block(r: _Reader, key: str, raw: Any, known: frozenset[str]) -> d
     return out
 
 
-def _read_zero(r: _Reader, raw_top: dict[str, Any], zero_raw: Any,
-               hidden_size: int | None) -> ZeroConfig:
-    if zero_raw is None:
-        return ZeroConfig()
-    if isinstance(zero_raw, bool):
-        # read_zero_config_deprecated: true -> stage 1 with allgather_size.
-        r.add("DS002", "warning", "zero_optimization",
-              f"zero_optimization = {_fmt(zero_raw)}: the boolean form is deprecated; DeepSpeed "
-              f"reads it as stage {1 if zero_raw else 0}; write {{\"stage\": "
-              f"{1 if zero_raw else 0}}} instead", zero_raw)
-        values: dict[str, Any] = {"stage": 1 if zero_raw else 0}
-        if zero_raw:
-            ag = raw_top.get("allgather_size", 500_000_000)
-            ann, meta, default = _field_spec(ZeroConfig, "allgather_bucket_size")
-            values["allgather_bucket_size"] = r.value("allgather_size", ag, ann, meta, default)
-        return ZeroConfig(**values)
-    if not isinstance(zero_raw, dict):
-        r.add("DS003", "error", "zero_optimization",
-              f"zero_optimization = {_fmt(zero_raw)}: expected an object, got "
-              f"{_json_type(zero_raw)}; using ZeRO defaults (stage 0)", zero_raw)
-        return ZeroConfig()
+def _read_zero_bool(r: _Reader, raw_top: dict[str, Any], zero_raw: bool) -> ZeroConfig:
+    """read_zero_config_deprecated: true -> stage 1 with allgather_size."""
+    r.add("DS002", "warning", "zero_optimization",
+          f"zero_optimization = {_fmt(zero_raw)}: the boolean form is deprecated; DeepSpeed "
+          f"reads it as stage {1 if zero_raw else 0}; write {{\"stage\": "
+          f"{1 if zero_raw else 0}}} instead", zero_raw)
+    values: dict[str, Any] = {"stage": 1 if zero_raw else 0}
+    if zero_raw:
+        ann, meta, default = _field_spec(ZeroConfig, "allgather_bucket_size")
+        ag = raw_top.get("allgather_size", default)  # DeepSpeed's ALLGATHER_SIZE_DEFAULT is the same 5e8
+        values["allgather_bucket_size"] = r.value("allgather_size", ag, ann, meta, default)
+    return ZeroConfig(**values)
 
-    fields = ZeroConfig.model_fields
-    known = set(fields) | set(_ZERO_ALIASES) | set(_ZERO_DEPRECATED) | set(_ZERO_REMOVED)
 
-    # Stage first: HF's hidden-size rules for stage-3 keys depend on it.
+def _read_stage(r: _Reader, zero_raw: dict[str, Any]) -> Any:
+    """zero_optimization.stage, read first: HF's hidden-size rules for stage-3 keys depend on it."""
     stage_raw = zero_raw.get("stage", 0)
     if _is_auto(stage_raw):
         # the stage decides everything zeroplan computes: under --strict it is an error
@@ -111,10 +101,41 @@ def _read_zero(r: _Reader, raw_top: dict[str, Any], zero_raw: Any,
               "would fill in; DeepSpeed drops \"auto\" -> stage 0 (pass --stage to plan another)",
               stage_raw)
         r.auto["zero_optimization.stage"] = {"value": 0, "how": "unresolved; DeepSpeed drops \"auto\" -> 0"}
-        stage = 0
-    else:
-        ann, meta, default = _field_spec(ZeroConfig, "stage")
-        stage = r.value("zero_optimization.stage", stage_raw, ann, meta, default)
+        return 0
+    ann, meta, default = _field_spec(ZeroConfig, "stage")
+    return r.value("zero_optimization.stage", stage_raw, ann, meta, default)
+
+
+def _read_leaf_module(r: _Reader, key: str, v: Any) -> dict[str, Any]:
+    """zero_optimization.leaf_module: DeepSpeed's default classes, overridden per list given."""
+    block = _read_dict_block(r, key, v, _LEAF_MODULE_KEYS)
+    lm = _default_leaf_module()
+    for lk, lv in (block or {}).items():
+        if isinstance(lv, str):
+            lv = [lv]
+        if isinstance(lv, list) and all(isinstance(x, str) for x in lv):
+            lm[lk] = list(dict.fromkeys(lv))
+        else:
+            r.add("DS003", "error", f"{key}.{lk}",
+                  f"{key}.{lk} = {_fmt(lv)}: expected a list of strings; using the default", lv)
+    return lm
+
+
+def _read_zero(r: _Reader, raw_top: dict[str, Any], zero_raw: Any,
+               hidden_size: int | None) -> ZeroConfig:
+    if zero_raw is None:
+        return ZeroConfig()
+    if isinstance(zero_raw, bool):
+        return _read_zero_bool(r, raw_top, zero_raw)
+    if not isinstance(zero_raw, dict):
+        r.add("DS003", "error", "zero_optimization",
+              f"zero_optimization = {_fmt(zero_raw)}: expected an object, got "
+              f"{_json_type(zero_raw)}; using ZeRO defaults (stage 0)", zero_raw)
+        return ZeroConfig()
+
+    fields = ZeroConfig.model_fields
+    known = set(fields) | set(_ZERO_ALIASES) | set(_ZERO_DEPRECATED) | set(_ZERO_REMOVED)
+    stage = _read_stage(r, zero_raw)
 
     values: dict[str, Any] = {"stage": stage}
     given_as: dict[str, str] = {}  # canonical -> key as written
@@ -159,17 +180,7 @@ def _read_zero(r: _Reader, raw_top: dict[str, Any], zero_raw: Any,
             values[canonical] = _read_dict_block(r, key, v, _ZENFLOW_KEYS)
             continue
         if canonical == "leaf_module":
-            block = _read_dict_block(r, key, v, _LEAF_MODULE_KEYS)
-            lm = _default_leaf_module()
-            for lk, lv in (block or {}).items():
-                if isinstance(lv, str):
-                    lv = [lv]
-                if isinstance(lv, list) and all(isinstance(x, str) for x in lv):
-                    lm[lk] = list(dict.fromkeys(lv))
-                else:
-                    r.add("DS003", "error", f"{key}.{lk}",
-                          f"{key}.{lk} = {_fmt(lv)}: expected a list of strings; using the default", lv)
-            values[canonical] = lm
+            values[canonical] = _read_leaf_module(r, key, v)
             continue
         values[canonical] = r.value(key, v, ann, meta, default)
 

@@ -101,19 +101,9 @@ def _fmt(v: Any) -> str:
     return repr(v) if isinstance(v, str) else (f"{v:g}" if isinstance(v, float) else str(v))
 
 
-def validate_profile(profile: HardwareProfile, where: str | None = None) -> HardwareProfile:
-    """Check sources and sanity bounds; raise InputError naming file, key, value, expected."""
-    w = where or profile.path or f"hardware profile {profile.name!r}"
-    if not profile.name.strip():
-        raise InputError(f"{w}: key name is empty; expected a short profile name such as 'dgx-h100'")
-    flops = profile.gpu.peak_flops
-    if not flops:
-        raise InputError(f"{w}: key gpu.peak_flops is empty; expected at least one of {', '.join(FLOP_DTYPES)}")
-    for k in flops:
-        if k not in FLOP_DTYPES:
-            raise InputError(
-                f"{w}: key gpu.peak_flops.{k} is not a known dtype; expected keys among {', '.join(FLOP_DTYPES)}"
-            )
+def _numeric_values(profile: HardwareProfile, w: str) -> dict[str, float]:
+    """Every bounded number of the profile by dotted path (unset optional fields left out);
+    an unknown NCCL algorithm is refused on the way."""
     values: dict[str, float] = {
         "gpu.memory_bytes": profile.gpu.memory_bytes,
         "gpu.hbm_bandwidth_GBps": profile.gpu.hbm_bandwidth_GBps,
@@ -145,8 +135,46 @@ def validate_profile(profile: HardwareProfile, where: str | None = None) -> Hard
             if algo not in _NCCL_ALGORITHMS:
                 raise InputError(f"{w}: key {tier}.algorithms = {algo!r} is not an NCCL algorithm; expected some of "
                                  + ", ".join(_NCCL_ALGORITHMS))
-    for k, v in flops.items():
+    for k, v in profile.gpu.peak_flops.items():
         values[f"gpu.peak_flops.{k}"] = v
+    return values
+
+
+def _check_sources(profile: HardwareProfile, w: str) -> None:
+    """Every numeric field has a source; every source names a real field."""
+    known = _all_field_paths(profile)
+    for key, text in profile.sources.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InputError(
+                f"{w}: key sources.{key!r} names no field of the profile{hint}; "
+                "expected a dotted field path such as 'gpu.memory_bytes'"
+            )
+        if not str(text).strip():
+            raise InputError(f"{w}: key sources.{key!r} is empty; expected where the number comes from")
+    for path in numeric_field_paths(profile):
+        if source_for(profile, path) is None:
+            raise InputError(
+                f"{w}: key {path} has no source; expected an entry \"{path}\" = \"<datasheet URL and "
+                "title, a measurement, or a stated rule>\" in [sources]"
+            )
+
+
+def validate_profile(profile: HardwareProfile, where: str | None = None) -> HardwareProfile:
+    """Check sources and sanity bounds; raise InputError naming file, key, value, expected."""
+    w = where or profile.path or f"hardware profile {profile.name!r}"
+    if not profile.name.strip():
+        raise InputError(f"{w}: key name is empty; expected a short profile name such as 'dgx-h100'")
+    flops = profile.gpu.peak_flops
+    if not flops:
+        raise InputError(f"{w}: key gpu.peak_flops is empty; expected at least one of {', '.join(FLOP_DTYPES)}")
+    for k in flops:
+        if k not in FLOP_DTYPES:
+            raise InputError(
+                f"{w}: key gpu.peak_flops.{k} is not a known dtype; expected keys among {', '.join(FLOP_DTYPES)}"
+            )
+    values = _numeric_values(profile, w)
     for key, v in values.items():
         if not math.isfinite(float(v)):
             raise InputError(f"{w}: key {key} = {_fmt(v)} is not a finite number")
@@ -170,22 +198,5 @@ def validate_profile(profile: HardwareProfile, where: str | None = None) -> Hard
             f"node.nvme_capacity_bytes = {profile.node.nvme_capacity_bytes} disagree; expected both 0 "
             "(no local NVMe) or both positive"
         )
-    # Sources: every numeric field has one; every source names a real field.
-    known = _all_field_paths(profile)
-    for key, text in profile.sources.items():
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise InputError(
-                f"{w}: key sources.{key!r} names no field of the profile{hint}; "
-                "expected a dotted field path such as 'gpu.memory_bytes'"
-            )
-        if not str(text).strip():
-            raise InputError(f"{w}: key sources.{key!r} is empty; expected where the number comes from")
-    for path in numeric_field_paths(profile):
-        if source_for(profile, path) is None:
-            raise InputError(
-                f"{w}: key {path} has no source; expected an entry \"{path}\" = \"<datasheet URL and "
-                "title, a measurement, or a stated rule>\" in [sources]"
-            )
+    _check_sources(profile, w)
     return profile

@@ -1,0 +1,97 @@
+"""The ``optimizer``, ``scheduler`` and ``gradient_clipping`` keys of a DeepSpeed 0.19.8 config: the
+optimizer type and params (numbers in the ranges torch.optim accepts, "auto" left for the launcher),
+unknown keys DeepSpeed ignores, and clipping (``"auto"`` -> the HF Trainer's 1.0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from zeroplan.specs.ds_findings import _fmt, _is_auto, _Reader
+from zeroplan.specs.ds_keys import _DS_OPTIMIZERS, _OPTIMIZER_KEYS, _SCHEDULER_KEYS
+
+
+def _check_optimizer_numbers(r: _Reader, params: dict[str, Any]) -> None:
+    """lr, eps, weight_decay and betas: finite numbers in the ranges torch.optim.Adam/AdamW's
+    ``__init__`` (PyTorch 2.13) accepts; DeepSpeed passes them through unchanged. An infinite lr
+    passes torch's ``0.0 <= lr`` but is no plan anyone means: refused too."""
+    def bad(key: str, v: Any, want: str) -> None:
+        r.add("DS010", "error", f"optimizer.params.{key}", f"optimizer.params.{key} = {_fmt(v)}: expected {want}", v)
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for key in ("lr", "eps", "weight_decay"):
+        v = params.get(key)
+        if v is None or _is_auto(v):
+            continue
+        if not number(v) or v < 0:
+            bad(key, v, "a finite number >= 0 (torch.optim raises 'Invalid ...' otherwise)")
+    betas = params.get("betas")
+    if betas is not None and not _is_auto(betas):
+        if not isinstance(betas, list) or len(betas) != 2 or not all(number(b) and 0 <= b < 1 for b in betas):
+            bad("betas", betas, "two finite numbers in [0, 1) (torch.optim raises 'Invalid beta parameter')")
+
+
+def _read_optimizer(r: _Reader, raw: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    opt = raw.get("optimizer")
+    if opt is None:
+        return None, {}
+    if not isinstance(opt, dict):
+        r.add("DS003", "error", "optimizer", f"optimizer = {_fmt(opt)}: expected an object such as "
+              "{\"type\": \"AdamW\", \"params\": {...}}", opt)
+        return None, {}
+    for k in opt:
+        if k not in _OPTIMIZER_KEYS:
+            r.unknown(f"optimizer.{k}", _OPTIMIZER_KEYS, "warning", "DeepSpeed ignores it")
+    typ = opt.get("type")
+    if typ is not None and not isinstance(typ, str):
+        r.add("DS003", "error", "optimizer.type", f"optimizer.type = {_fmt(typ)}: expected a string "
+              "such as \"AdamW\"", typ)
+        typ = None
+    if isinstance(typ, str) and typ.lower() in _DS_OPTIMIZERS:
+        typ = typ.lower()
+    params = opt.get("params") if typ is not None else None
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        r.add("DS003", "error", "optimizer.params", f"optimizer.params = {_fmt(params)}: expected an "
+              "object", params)
+        params = {}
+    autos = sorted(k for k, v in params.items() if _is_auto(v))
+    if autos:
+        for k in autos:
+            r.auto[f"optimizer.params.{k}"] = {"value": None, "how": "left for the launcher (HF Trainer "
+                                                "fills it from its training arguments); no effect on the plan"}
+        r.add("DS006", "info", "optimizer.params",
+              f"optimizer.params {', '.join(autos)} = \"auto\": filled by the HF Trainer from its "
+              "training arguments; they do not change memory or communication", None)
+    _check_optimizer_numbers(r, params)
+    mgn = params.get("max_grad_norm")
+    if isinstance(mgn, (int, float)) and not isinstance(mgn, bool) and mgn > 0:
+        r.add("DS010", "warning", "optimizer.params.max_grad_norm",
+              f"optimizer.params.max_grad_norm = {mgn} is not supported as an optimizer parameter; "
+              "DeepSpeed asks for the top-level gradient_clipping instead", mgn)
+    sched = raw.get("scheduler")
+    if isinstance(sched, dict):
+        for k in sched:
+            if k not in _SCHEDULER_KEYS:
+                r.unknown(f"scheduler.{k}", _SCHEDULER_KEYS, "warning", "DeepSpeed ignores it")
+    elif sched is not None:
+        r.add("DS003", "error", "scheduler", f"scheduler = {_fmt(sched)}: expected an object", sched)
+    return typ, dict(params)
+
+
+def _read_clipping(r: _Reader, raw: dict[str, Any]) -> float:
+    v = raw.get("gradient_clipping", 0.0)
+    if _is_auto(v):
+        how = "HF Trainer fills it from max_grad_norm (default 1.0); assumed 1.0"
+        r.auto["gradient_clipping"] = {"value": 1.0, "how": how}
+        r.add("DS006", "info", "gradient_clipping", f"gradient_clipping = \"auto\" -> 1.0 ({how})", v)
+        return 1.0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        r.add("DS003", "error", "gradient_clipping",
+              f"gradient_clipping = {_fmt(v)}: expected a number >= 0 (0 = off); using 0", v)
+        return 0.0
+    return float(v)

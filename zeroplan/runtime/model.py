@@ -76,13 +76,14 @@ def _make_classes():
             x, w = ctx.saved_tensors
             go2 = go.reshape(-1, go.shape[-1])
             x2 = x.reshape(-1, x.shape[-1])
+            need_x, need_w, need_b, _ = ctx.needs_input_grad  # a frozen weight (runtime/lora.py) gets none
             if ctx.conv1d:
-                gx = go @ w.t()
-                gw = x2.t() @ go2
+                gx = go @ w.t() if need_x else None
+                gw = x2.t() @ go2 if need_w else None
             else:
-                gx = go @ w
-                gw = go2.t() @ x2
-            gb = go2.sum(0) if ctx.has_bias else None
+                gx = go @ w if need_x else None
+                gw = go2.t() @ x2 if need_w else None
+            gb = go2.sum(0) if ctx.has_bias and need_b else None
             return gx, gw, gb, None
 
     class Holder(nn.Module):
@@ -106,7 +107,10 @@ def _make_classes():
                     return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
                 var = x.float().pow(2).mean(-1, keepdim=True)
                 return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * w
-            return _Linear.apply(x, w, b, self.conv1d)  # linear-like roles
+            y = _Linear.apply(x, w, b, self.conv1d)  # linear-like roles
+            if "lora_A" in self._modules:  # runtime/lora.py: y + B(A(x))·alpha/r, as peft's lora.Linear
+                y = y + self.lora_B["default"](self.lora_A["default"](x)) * self.lora_scaling
+            return y
 
     class TiedHead(nn.Module):
         """The lm head of a tied model: uses the embedding's Parameter (no parameter of its own).

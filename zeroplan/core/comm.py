@@ -238,8 +238,12 @@ def build_ledger(
                       gas, "int4", overlap, group="inter-node", group_size=B.nodes)
         else:
             B.buckets("reduce_scatter", "backward", "gradient bucket", buckets, b_c, gas, cdt, overlap)
-        for t in tl.persistent_tensors:
-            B.add("all_gather", "step", "persistent parameter", tl.padded(t.numel) * b_p, 1, pdt, False)
+        # stage3.py _post_step: `self.persistent_parameters[0].all_gather(self.persistent_parameters)`;
+        # persistent_parameters is parameter_offload.py mark_persistent_parameters over EVERY named
+        # parameter (frozen ones too: step() released them all, release_and_reset_all), so with
+        # frozen weights the gathers cover the full layout's persistent tensors, not only the trainable
+        for t in layout.persistent_tensors:
+            B.add("all_gather", "step", "persistent parameter", layout.padded(t.numel) * b_p, 1, pdt, False)
         if ds:
             off = getattr(getattr(zero, "offload_optimizer", None), "device", "none")
             if str(getattr(off, "value", off)) != "none":

@@ -30,8 +30,12 @@ H, V, I, L = 64, 128, 172, 2  # scaled_spec of llama-2-7b: 4 heads of 16, interm
 FT = FineTune(method="lora", lora=LoraSpec(r=R, targets=("q_proj", "v_proj")))
 ADAPTERS = [R * H, H * R] * 2 * L  # q_proj and v_proj: A [r, 64], B [64, r] per layer, in forward order
 TRAINABLE = sum(ADAPTERS)  # 2,048
+FT_DOWN = FineTune(method="lora", lora=LoraSpec(r=R, targets=("down_proj",)))
+ADAPTERS_DOWN = [R * I, H * R] * L  # down_proj: A [r, 172], B [64, r] per layer
 BASE = V * H + L * (2 * H + 4 * H * H + 3 * H * I) + H + V * H  # 115,520 (untied)
 THR = 64  # a stage-3 persistence threshold under the adapters' 256 elements: everything is gathered
+REGATHER = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+            "stage3_max_live_parameters": 0}
 
 CONFIGS = {
     "s0-bf16": {"stage": 0},
@@ -42,10 +46,22 @@ CONFIGS = {
     "s3-bf16": {"stage": 3},
     "s3-bf16-thr64": {"stage": 3, "stage3_param_persistence_threshold": THR},
     "s3-bf16-thr64-gas2": {"stage": 3, "stage3_param_persistence_threshold": THR},
+    # one gather per module, released after its forward and re-gathered in backward: only modules
+    # whose output needs a gradient are (core/finetune.py no_backward_modules)
+    "s3-bf16-regather": dict(REGATHER),
+    "s3-bf16-regather-down": dict(REGATHER),
 }
 PRECISION = {k: ("fp32" if "fp32" in k else "bf16") for k in CONFIGS}
 GAS = {k: (2 if k.endswith("gas2") else 1) for k in CONFIGS}
 CASES = list(CONFIGS)
+
+
+def _ft(case):
+    return FT_DOWN if case.endswith("-down") else FT
+
+
+def _adapters(case):
+    return ADAPTERS_DOWN if case.endswith("-down") else ADAPTERS
 
 
 def _spec():
@@ -73,7 +89,7 @@ def _plan(case):
     training = TrainingSetup(precision=prec, micro_batch=1, seq_len=16, grad_accum=GAS[case],
                              optimizer_impl="torch-single")
     return evaluate(model=_spec(), training=training, zero=_zero(case), n_gpus=N, gpus_per_node=N,
-                    finetune=finetune_views(_spec(), FT, compute_bytes=prec.param_bytes))
+                    finetune=finetune_views(_spec(), _ft(case), compute_bytes=prec.param_bytes))
 
 
 _BUNDLED: dict[str, list] = {}
@@ -87,7 +103,7 @@ def _bundled():
         from zeroplan.runtime.launch import spawn
 
         runs = [{"zero": _zero(c), "precision": PRECISION[c], "micro_batch": 1, "seq_len": 16, "grad_accum": GAS[c],
-                 "warmup": 2, "steps": 2, "comm_model": "deepspeed", "finetune": FT} for c in CASES]
+                 "warmup": 2, "steps": 2, "comm_model": "deepspeed", "finetune": _ft(c)} for c in CASES]
         per_rank = spawn(_rank_entry, N, args=(_spec(), runs, "cpu"), timeout_s=300)
         for k, c in enumerate(CASES):
             _BUNDLED[c] = [per_rank[r][k] for r in range(N)]
@@ -98,7 +114,7 @@ def _deepspeed():
     """Every case in ONE launch of the real DeepSpeed engine (start-up costs ~10 s per launch)."""
     if not _DS:
         runs = [{"ds_config": {"zero_optimization": CONFIGS[c]}, "precision": PRECISION[c], "micro_batch": 1,
-                 "grad_accum": GAS[c], "finetune": FT} for c in CASES]
+                 "grad_accum": GAS[c], "finetune": _ft(c)} for c in CASES]
         out = dse.run_deepspeed_matrix(_spec(), runs, nproc=N, steps=2, warmup=2, seq_len=16, device="cpu")
         for c, ranks in zip(CASES, out):
             for r in ranks:
@@ -128,29 +144,31 @@ def _closed_form_states(case, step_counters=False):
     """
     stage = CONFIGS[case]["stage"]
     b = 4 if PRECISION[case] == "fp32" else 2
-    steps = 4 * (len(ADAPTERS) if stage == 0 else 1) if step_counters else 0
+    adapters = _adapters(case)
+    trainable = sum(adapters)
+    steps = 4 * (len(adapters) if stage == 0 else 1) if step_counters else 0
     if stage == 0:
         # fp32 stage 0: torch AdamW on the parameters (m, v); bf16: FP16_UnfusedOptimizer, fp32 copy + m + v
-        return {"params": b * (BASE + TRAINABLE), "gradients": b * TRAINABLE,
-                "optimizer_states": (8 if b == 4 else 12) * TRAINABLE + steps}
+        return {"params": b * (BASE + trainable), "gradients": b * trainable,
+                "optimizer_states": (8 if b == 4 else 12) * trainable + steps}
     if stage in (1, 2):
-        part = math.ceil(TRAINABLE / (2 * N)) * 2 * N // N
-        return {"params": b * (BASE + TRAINABLE), "gradients": b * (TRAINABLE if stage == 1 else part),
+        part = math.ceil(trainable / (2 * N)) * 2 * N // N
+        return {"params": b * (BASE + trainable), "gradients": b * (trainable if stage == 1 else part),
                 "optimizer_states": 12 * part + steps}
     thr = CONFIGS[case].get("stage3_param_persistence_threshold", 100_000)
-    numels = _spec_numels()
+    numels = _spec_numels(case)
     padded = [math.ceil(k / N) * N for k in numels]
     whole = sum(p for k, p in zip(numels, padded) if k <= thr)
-    part = sum(math.ceil(k / N) for k in ADAPTERS)
+    part = sum(math.ceil(k / N) for k in adapters)
     return {"params": b * (sum(padded) // N + whole), "gradients": b * part, "optimizer_states": 12 * part + steps}
 
 
-def _spec_numels():
-    """Every parameter (base + adapters), from the inventory of the fine-tuned model."""
+def _spec_numels(case):
+    """Every parameter (base + adapters) of the fine-tuned runtime model."""
     from zeroplan.runtime.lora import apply_finetune
     from zeroplan.runtime.model import build_model
 
-    model = apply_finetune(build_model(_spec(), "fp32"), _spec(), FT)
+    model = apply_finetune(build_model(_spec(), "fp32"), _spec(), _ft(case))
     return [p.numel() for p in model.parameters()]
 
 
@@ -254,19 +272,44 @@ def test_deepspeed_model_states_within_one_percent(case):
 @pytest.mark.parametrize("case", CASES)
 def test_deepspeed_keeps_no_optimizer_state_for_frozen_parameters(case):
     stage = CONFIGS[case]["stage"]
+    adapters = _adapters(case)
+    trainable = sum(adapters)
     for result in _deepspeed()[case]:
         fc = result.frozen_check
-        assert (fc["trainable_numel"], fc["frozen_numel"]) == (TRAINABLE, BASE)
-        assert (fc["trainable_tensors"], fc["frozen_tensors"]) == (len(ADAPTERS), 1 + 9 * L + 2)  # embed, 2 norms + 7 linears per layer, norm, head
+        assert (fc["trainable_numel"], fc["frozen_numel"]) == (trainable, BASE)
+        # frozen: the embedding, 2 norms + 7 linears per layer, the final norm, the head
+        assert (fc["trainable_tensors"], fc["frozen_tensors"]) == (len(adapters), 1 + 9 * L + 2)
         assert fc["frozen_in_groups"] == [] and fc["frozen_with_grad"] == []
         # the optimizer steps the trainable elements only (this rank's share of them from stage 1 on)
         if stage == 0:
-            owned = TRAINABLE
+            owned = trainable
         elif stage in (1, 2):
-            owned = math.ceil(TRAINABLE / (2 * N)) * 2 * N // N
+            owned = math.ceil(trainable / (2 * N)) * 2 * N // N
         else:
-            owned = sum(math.ceil(k / N) for k in ADAPTERS)
+            owned = sum(math.ceil(k / N) for k in adapters)
         assert fc["optimizer_numel"] == owned, (case, fc)
         assert fc["optimizer_state_numel"] == 2 * owned  # AdamW exp_avg + exp_avg_sq
         if fc["zero_group_numel"]:
-            assert fc["zero_group_numel"] == TRAINABLE
+            assert fc["zero_group_numel"] == trainable
+
+
+def test_no_backward_modules_follow_the_data_flow():
+    """Planner side of the re-gather rule: before the first adapter nothing needs a gradient."""
+    from zeroplan.core.finetune import finetune_views
+
+    assert finetune_views(_spec(), FT, 2).no_backward == {
+        "model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn.k_proj"}
+    layer0 = {f"model.layers.0.{m}" for m in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                                               "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                               "mlp.gate_proj", "mlp.up_proj")}
+    assert finetune_views(_spec(), FT_DOWN, 2).no_backward == layer0 | {"model.embed_tokens"}
+
+
+@needs_ds
+@pytest.mark.deepspeed
+def test_deepspeed_skips_backward_gathers_of_modules_without_gradient():
+    """The measured counterpart: with a gather per module and no reuse, DeepSpeed re-gathers in
+    backward every module but those whose output needs no gradient (3 for q/v, 9 for down_proj)."""
+    for case, skipped in (("s3-bf16-regather", 3), ("s3-bf16-regather-down", 9)):
+        summary = dse.per_step_summary(_deepspeed()[case][0])
+        assert summary[("all_gather", "forward")]["count"] - summary[("all_gather", "backward")]["count"] == skipped

@@ -195,8 +195,10 @@ def test_lora_model_has_peft_names_frozen_base_and_zero_b():
     assert sorted(t.name for t in inv.trainable_tensors) == sorted(train)
     # B = 0: the adapted model computes the base model's loss; the units list adapters after their module
     assert model(ids).item() == before
+    # PEFT's structure: the base weight moves into base_layer; the units list it, then A, then B
+    assert "model.layers.0.self_attn.q_proj.base_layer.weight" in dict(model.named_parameters())
     units = [name for name, _, _ in model.zero_units]
-    q = units.index("model.layers.0.self_attn.q_proj")
+    q = units.index("model.layers.0.self_attn.q_proj.base_layer")
     assert units[q + 1:q + 3] == ["model.layers.0.self_attn.q_proj.lora_A.default",
                                   "model.layers.0.self_attn.q_proj.lora_B.default"]
     model(ids).backward()
@@ -294,14 +296,16 @@ def test_deepspeed_keeps_no_optimizer_state_for_frozen_parameters(case):
 
 
 def test_no_backward_modules_follow_the_data_flow():
-    """Planner side of the re-gather rule: before the first adapter nothing needs a gradient."""
+    """Planner side of the re-gather rule: before the first adapter nothing needs a gradient, and an
+    adapted module's base weight (PEFT's base_layer) needs none while its input needs none."""
     from zeroplan.core.finetune import finetune_views
 
     assert finetune_views(_spec(), FT, 2).no_backward == {
-        "model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn.k_proj"}
+        "model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"}
     layer0 = {f"model.layers.0.{m}" for m in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
                                                "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                               "mlp.gate_proj", "mlp.up_proj")}
+                                               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     assert finetune_views(_spec(), FT_DOWN, 2).no_backward == layer0 | {"model.embed_tokens"}
 
 
@@ -309,7 +313,7 @@ def test_no_backward_modules_follow_the_data_flow():
 @pytest.mark.deepspeed
 def test_deepspeed_skips_backward_gathers_of_modules_without_gradient():
     """The measured counterpart: with a gather per module and no reuse, DeepSpeed re-gathers in
-    backward every module but those whose output needs no gradient (3 for q/v, 9 for down_proj)."""
-    for case, skipped in (("s3-bf16-regather", 3), ("s3-bf16-regather-down", 9)):
+    backward every module but those whose output needs no gradient (5 for q/v, 10 for down_proj)."""
+    for case, skipped in (("s3-bf16-regather", 5), ("s3-bf16-regather-down", 10)):
         summary = dse.per_step_summary(_deepspeed()[case][0])
         assert summary[("all_gather", "forward")]["count"] - summary[("all_gather", "backward")]["count"] == skipped

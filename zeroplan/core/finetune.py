@@ -24,8 +24,9 @@ autograd function ``_pre_backward_module_hook`` applies to the module's outputs
 (parameter_offload.py ``DeepSpeedZeRoOffload._register_deepspeed_module``); an output that does
 not require grad is not in the graph, so the function never runs. With a frozen embedding
 every module that reads only frozen-derived tensors (the embedding, the first layer's input
-norm, its unadapted projections) is released after forward and never gathered again
-(``FineTuneViews.no_backward``, measured: tests/test_finetune_engines.py).
+norm, its projections' base weights — PEFT keeps them in ``base_layer``) is released after
+forward and never gathered again (``FineTuneViews.no_backward``, measured:
+tests/test_finetune_engines.py).
 """
 
 from __future__ import annotations
@@ -78,10 +79,12 @@ def finetune_views(spec: ModelSpec, ft: FineTune, compute_bytes: int) -> FineTun
     key = lambda t: order.get(_base_module(t.module), len(order))  # noqa: E731
     trainable = _view(spec, sorted(inv.trainable_tensors, key=key), "trainable")
     full = _view(spec, sorted(inv.frozen_tensors + inv.trainable_tensors, key=key), "with adapters")
-    trained = {_base_module(t.module) for t in inv.trainable_tensors}
+    trained = {_base_module(t.module) for t in inv.trainable_tensors if t.role != "lora"}
+    adapted = {_base_module(t.module) for t in inv.trainable_tensors if t.role == "lora"}
     return FineTuneViews(inventory=inv, trainable=trainable, full=full,
                          frozen_storage_bytes=int(inv.frozen_storage_bytes or 0),
-                         quantized_params=inv.quantized_params, no_backward=no_backward_modules(spec, trained))
+                         quantized_params=inv.quantized_params,
+                         no_backward=no_backward_modules(spec, trained, adapted))
 
 
 _ATTN_IN = ("attn_q", "attn_k", "attn_v", "attn_qkv")
@@ -90,16 +93,20 @@ _MLP_OUT = ("mlp_down", "expert_down")
 _PARALLEL = ("gpt_neox", "falcon", "phi", "gptj")  # runtime/model.py PARALLEL_FAMILIES
 
 
-def no_backward_modules(spec: ModelSpec, trained: set[str]) -> frozenset[str]:
-    """Base modules whose forward output requires no gradient, given the modules that own a
-    trainable tensor or an adapter (``trained``; an adapted module's output carries the
-    adapter's gradient).
+def no_backward_modules(spec: ModelSpec, trained: set[str], adapted: set[str] = frozenset()) -> frozenset[str]:
+    """Base modules whose forward output requires no gradient: stage 3 never re-gathers them.
+
+    ``trained``: modules owning a trainable base tensor (partial fine-tuning, ``modules_to_save``);
+    ``adapted``: modules wrapped by a LoRA adapter. PEFT keeps an adapted module's weight in its
+    own ``base_layer`` (``peft.tuners.lora.layer.Linear``; runtime/lora.py does the same): the
+    base output needs a gradient only when its input does, while the wrapped module's output
+    (base + adapter) always does.
 
     Data flow of a decoder block (the runtime model's forward, runtime/model.py ``_layer``): an
-    output needs a gradient iff the module trains or its input needs one. The residual stream
-    needs one from the first block with a trained module on; before that, a norm reading the
-    stream, the projections reading that norm, and so on, need none unless they train. A tied
-    head reuses the embedding in backward: the embedding is then never listed.
+    output needs a gradient iff its module trains or its input needs one. The residual stream
+    needs one from the first block with a trained or adapted module on; before that, a norm
+    reading the stream, the projections reading that norm, and so on, need none. A tied head
+    reuses the embedding in backward: the embedding is then never listed.
     """
     mods: dict[str, tuple[str, int | None]] = {}
     qk_norm: set[str] = set()
@@ -111,8 +118,13 @@ def no_backward_modules(spec: ModelSpec, trained: set[str]) -> frozenset[str]:
                 and t.shape[0] == spec.head_dim != spec.hidden_size:
             qk_norm.add(t.module)
     tied = any(t.tied_to is not None for t in spec.tensors)
-    grad: dict[str, bool] = {}
-    T = lambda m: m in trained  # noqa: E731
+    inputs: dict[str, bool] = {}
+
+    def out(m: str, inp: bool) -> bool:
+        """Record m's input flag; whether m's output (as the next module sees it) needs a gradient."""
+        inputs[m] = inp
+        return inp or m in trained or m in adapted
+
     stream = False
     layers: dict[int, list[tuple[str, str]]] = {}
     post: list[tuple[str, str]] = []
@@ -120,66 +132,50 @@ def no_backward_modules(spec: ModelSpec, trained: set[str]) -> frozenset[str]:
         if layer is not None:
             layers.setdefault(layer, []).append((m, role))
         elif role in ("embed", "pos_embed"):
-            grad[m] = T(m)
-            stream = stream or grad[m]
+            stream = out(m, False) or stream
         else:
             post.append((m, role))
     parallel = spec.model_type in _PARALLEL
     for layer in sorted(layers):
         ms = layers[layer]
         norms = [m for m, r in ms if r == "norm" and m not in qk_norm]
-        h0 = stream or (bool(norms) and T(norms[0]))
-        if norms:
-            grad[norms[0]] = h0
+        h0 = out(norms[0], stream) if norms else stream
         attn = False
         for m, r in ms:
             if r in _ATTN_IN:
-                grad[m] = h0 or T(m)
-                attn = attn or grad[m]
-        for m in qk_norm & {m for m, _ in ms}:
-            grad[m] = attn or T(m)
-            attn = attn or grad[m]
+                attn = out(m, h0) or attn
+        for m in sorted(qk_norm & {m for m, _ in ms}):
+            attn = out(m, attn) or attn
         o = next((m for m, r in ms if r == "attn_o"), None)
-        o_out = attn or (o is not None and T(o))
-        if o is not None:
-            grad[o] = o_out
+        o_out = out(o, attn) if o is not None else attn
         if parallel:
-            mlp_in = (stream or T(norms[1])) if len(norms) > 1 else h0
-            if len(norms) > 1:
-                grad[norms[1]] = mlp_in
+            mlp_in = out(norms[1], stream) if len(norms) > 1 else h0
             after_attn = stream
         elif len(norms) >= 4:  # gemma2: post-attention norm on the attention output
-            grad[norms[1]] = o_out or T(norms[1])
-            after_attn = stream or grad[norms[1]]
-            mlp_in = grad[norms[2]] = after_attn or T(norms[2])
+            after_attn = stream or out(norms[1], o_out)
+            mlp_in = out(norms[2], after_attn)
         else:
             after_attn = stream or o_out
-            mlp_in = (after_attn or T(norms[1])) if len(norms) > 1 else after_attn
-            if len(norms) > 1:
-                grad[norms[1]] = mlp_in
+            mlp_in = out(norms[1], after_attn) if len(norms) > 1 else after_attn
         mid = False
         for m, r in ms:
             if r in _MLP_IN:
-                grad[m] = mlp_in or T(m)
-                mid = mid or grad[m]
+                mid = out(m, mlp_in) or mid
         mlp_out = mid
         for m, r in ms:
             if r in _MLP_OUT:
-                grad[m] = mid or T(m)
-                mlp_out = mlp_out or grad[m]
+                mlp_out = out(m, mid) or mlp_out
         if len(norms) >= 4 and not parallel:
-            grad[norms[3]] = mlp_out or T(norms[3])
-            mlp_out = grad[norms[3]]
+            mlp_out = out(norms[3], mlp_out)
         stream = after_attn or mlp_out or (parallel and o_out)
-        for m, _ in ms:  # anything else (biases' owners are the modules above): conservatively gathered
-            grad.setdefault(m, True)
-    for m, role in post:
-        grad[m] = stream or T(m)
-        stream = grad[m]
-    out = {m for m, g in grad.items() if not g}
+        for m, _ in ms:  # a module of another role: conservatively re-gathered
+            inputs.setdefault(m, True)
+    for m, _role in post:
+        stream = out(m, stream)
+    result = {m for m, inp in inputs.items() if not inp and m not in trained}
     if tied:
-        out -= {m for m, (role, _) in mods.items() if role == "embed"}
-    return frozenset(out)
+        result -= {m for m, (role, _) in mods.items() if role == "embed"}
+    return frozenset(result)
 
 
 def ledger_layouts(layout: Layout, train_layout: Layout | None, stage: int) -> tuple[Layout, Layout | None]:

@@ -4,14 +4,17 @@
 add and freezes what PEFT freezes, so the bundled engine and the real DeepSpeed engine train
 the very parameter set the planner counts (``finetune_inventory``):
 
-- LoRA on a linear module (``peft.tuners.lora.layer.Linear.update_layer``): a ``lora_A``
-  [r, in] and a ``lora_B`` [out, r] linear without bias, registered as
-  ``<module>.lora_A.default.weight`` / ``<module>.lora_B.default.weight`` (PEFT's names without
-  the ``base_model.model.`` prefix and with the base weight left at ``<module>.weight``, as the
-  planner names them); A ~ N(0, 0.02) from the model's seed (PEFT: Kaiming-uniform), B = 0
-  (PEFT's ``reset_lora_parameters``: ``nn.init.zeros_(self.lora_B[adapter_name].weight)``), so
-  the first forward equals the base model's. The forward is ``base(x) + B(A(x)) · alpha / r``
-  (runtime/model.py ``Holder.forward``; no dropout), alpha defaulting to PEFT's ``lora_alpha = 8``.
+- LoRA on a linear module (``peft.tuners.lora.layer.Linear``): the module becomes a wrapper with
+  three children, as PEFT builds it: ``base_layer`` (the original weight and bias, moved:
+  ``<module>.base_layer.weight``), ``lora_A.default`` [r, in] and ``lora_B.default`` [out, r]
+  without bias (``update_layer``); PEFT's names without the ``base_model.model.`` prefix (the
+  planner keeps the checkpoint name ``<module>.weight`` for the base: same tensor, same order).
+  A ~ N(0, 0.02) from the model's seed (PEFT: Kaiming-uniform), B = 0 (``reset_lora_parameters``:
+  ``nn.init.zeros_(self.lora_B[adapter_name].weight)``), so the first forward equals the base
+  model's. The forward is ``base_layer(x) + B(A(x)) · alpha / r`` (runtime/model.py
+  ``Holder.forward``; no dropout), alpha defaulting to PEFT's ``lora_alpha = 8``. The base weight
+  being its own module matters to ZeRO-3: hooks see it apart from the adapters, so in the first
+  adapted block, whose input needs no gradient, DeepSpeed never re-gathers it in backward.
 - Every base parameter gets ``requires_grad = False`` (``peft.tuners.tuners_utils.BaseTuner.
   _mark_only_adapters_as_trainable``) unless ``ft.trainable`` keeps it trainable; adapters train.
 - The gather units (``model.zero_units``, the order the engine partitions and buckets in) get
@@ -78,6 +81,15 @@ def apply_finetune(model: Any, spec: ModelSpec, ft: FineTune | None, *, seed: in
         holder = holders.get(base)
         if holder is None or "A" not in ab or "B" not in ab:
             raise ValueError(f"LoRA target {base!r} is not a module of the runtime model")
+        inner = Holder(holder.kind, conv1d=holder.conv1d, layernorm=holder.layernorm, eps=holder.eps)
+        inner.spec_role, inner.layer, inner.expert = holder.spec_role, holder.layer, holder.expert
+        moved = []
+        for pname in list(holder._parameters):
+            p = holder._parameters.pop(pname)
+            inner.register_parameter(pname, p)
+            moved.append((f"{base}.base_layer.{pname}", p))
+        holder.add_module("base_layer", inner)
+        new_units[base] = [(f"{base}.base_layer", inner, moved)]
         for key, init in (("A", "normal"), ("B", "zeros")):
             t = ab[key]
             data = torch.zeros(t.shape) if init == "zeros" else torch.empty(t.shape).normal_(0.0, 0.02, generator=gen)
@@ -89,9 +101,8 @@ def apply_finetune(model: Any, spec: ModelSpec, ft: FineTune | None, *, seed: in
                                                    [(f"{base}.lora_{key}.default.weight", mod.weight)]))
         holder.lora_scaling = scaling
     units = []
-    for unit in model.zero_units:
-        units.append(unit)
-        units.extend(new_units.get(unit[0], []))
+    for unit in model.zero_units:  # an adapted module's unit becomes base_layer, lora_A, lora_B
+        units.extend(new_units.get(unit[0], [unit]))
     model.zero_units = units
     model.zero_params = [(n, p) for _, _, ps in units for n, p in ps]
     model.finetune = ft

@@ -97,6 +97,9 @@ def _make_classes():
             self.eps = eps
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if "base_layer" in self._modules:  # runtime/lora.py: peft's lora.Linear.forward
+                y = self.base_layer(x)  # the frozen weight in its own module, as PEFT wraps it
+                return y + self.lora_B["default"](self.lora_A["default"](x)) * self.lora_scaling
             k = self.kind
             w = self.weight
             b = getattr(self, "bias", None)
@@ -107,10 +110,7 @@ def _make_classes():
                     return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
                 var = x.float().pow(2).mean(-1, keepdim=True)
                 return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * w
-            y = _Linear.apply(x, w, b, self.conv1d)  # linear-like roles
-            if "lora_A" in self._modules:  # runtime/lora.py: y + B(A(x))·alpha/r, as peft's lora.Linear
-                y = y + self.lora_B["default"](self.lora_A["default"](x)) * self.lora_scaling
-            return y
+            return _Linear.apply(x, w, b, self.conv1d)  # linear-like roles
 
     class TiedHead(nn.Module):
         """The lm head of a tied model: uses the embedding's Parameter (no parameter of its own).

@@ -317,3 +317,22 @@ def test_deepspeed_skips_backward_gathers_of_modules_without_gradient():
     for case, skipped in (("s3-bf16-regather", 5), ("s3-bf16-regather-down", 10)):
         summary = dse.per_step_summary(_deepspeed()[case][0])
         assert summary[("all_gather", "forward")]["count"] - summary[("all_gather", "backward")]["count"] == skipped
+
+
+def test_runtime_lora_model_has_peft_names_shapes_and_trainability():
+    """runtime/lora.py against PEFT 0.21 itself: ``get_peft_model`` on the transformers model of
+    the same config (meta device) gives the same parameters, shapes and ``requires_grad``."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from zeroplan.runtime.lora import apply_finetune
+    from zeroplan.runtime.model import build_model
+
+    spec = _spec()
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**spec.hf_config))
+    hf = peft.get_peft_model(hf, peft.LoraConfig(r=R, target_modules=["q_proj", "v_proj"]))
+    prefix = "base_model.model."
+    want = {n.removeprefix(prefix): (tuple(p.shape), p.requires_grad) for n, p in hf.named_parameters()}
+    model = apply_finetune(build_model(spec, "fp32"), spec, FT)
+    got = {n: (tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()}
+    assert got == want

@@ -208,6 +208,7 @@ def test_lora_model_has_peft_names_frozen_base_and_zero_b():
 # ----------------------------------------------------------------------------------- bundled runtime
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_bundled_runtime_collectives_exact_and_states_within_one_percent(case):
     from zeroplan.bench.validate import compare
@@ -219,6 +220,7 @@ def test_bundled_runtime_collectives_exact_and_states_within_one_percent(case):
     assert all(r["steady"] for r in measured)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_bundled_runtime_matches_closed_forms(case):
     want = _closed_form_states(case)
@@ -231,6 +233,7 @@ def test_bundled_runtime_matches_closed_forms(case):
 
 
 @needs_ds
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("case", CASES)
 def test_deepspeed_collectives_equal_the_ledger_call_for_call(case):
@@ -243,6 +246,7 @@ def test_deepspeed_collectives_equal_the_ledger_call_for_call(case):
 
 
 @needs_ds
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("case", CASES)
 def test_deepspeed_and_bundled_runtime_issue_the_same_collectives(case):
@@ -253,6 +257,7 @@ def test_deepspeed_and_bundled_runtime_issue_the_same_collectives(case):
 
 
 @needs_ds
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("case", CASES)
 def test_deepspeed_model_states_within_one_percent(case):
@@ -270,6 +275,7 @@ def test_deepspeed_model_states_within_one_percent(case):
 
 
 @needs_ds
+@pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("case", CASES)
 def test_deepspeed_keeps_no_optimizer_state_for_frozen_parameters(case):
@@ -310,6 +316,7 @@ def test_no_backward_modules_follow_the_data_flow():
 
 
 @needs_ds
+@pytest.mark.slow
 @pytest.mark.deepspeed
 def test_deepspeed_skips_backward_gathers_of_modules_without_gradient():
     """The measured counterpart: with a gather per module and no reuse, DeepSpeed re-gathers in
@@ -336,3 +343,28 @@ def test_runtime_lora_model_has_peft_names_shapes_and_trainability():
     model = apply_finetune(build_model(spec, "fp32"), spec, FT)
     got = {n: (tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()}
     assert got == want
+
+
+@pytest.mark.slow
+def test_bench_zero_plans_and_runs_the_same_fine_tuning():
+    """run_bench_zero (what `bench zero --method lora` calls): predict() takes the fine-tuning too."""
+    from zeroplan.bench.validate import run_bench_zero
+    from zeroplan.bench.zero_inputs import header_lines
+
+    report = run_bench_zero(_spec(), [3], nproc=N, precision="bf16", micro_batch=1, seq_len=16, steps=1,
+                            finetune=FT, timeout_s=300)
+    assert report["ok"], [r for st in report["stages"] for r in st["rows"] if not r["ok"]]
+    assert report["finetune"]["trainable_params"] == TRAINABLE and report["finetune"]["frozen_params"] == BASE
+    assert "fine-tuning: LoRA r=4 on q_proj,v_proj; 2,048 trainable, 115,520 frozen" in "\n".join(header_lines(report))
+
+
+@pytest.mark.parametrize("flags, words", [
+    ({"method": "qlora", "lora_r": 4}, "--method qlora"),
+    ({"method": "lora", "lora_r": 4, "simulate": True}, "--simulate"),
+])
+def test_bench_zero_refuses_what_the_runtime_cannot_run(flags, words):
+    from zeroplan._util import InputError
+    from zeroplan.bench.validate import run_bench_zero_cli
+
+    with pytest.raises(InputError, match=words):
+        run_bench_zero_cli(model="llama-2-7b", stage="3", **flags)

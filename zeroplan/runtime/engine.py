@@ -44,6 +44,11 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
   copied into the persistent ``ipg`` bucket (p̂ per param) as they arrive, interleaved per rank
   into a bucket-sized copy and reduce-scattered. After the step: one all-gather per
   persistent param, in place, and the norm all-reduce (8-byte fp64; 4-byte fp32 with offload).
+- Frozen parameters (``requires_grad`` False; runtime/lora.py): stages 0-2 leave them whole on
+  every rank, outside the flat buffers, buckets and optimizer; stage 3 partitions and gathers
+  them (their own flat partition buffer) and re-gathers the persistent ones after the step, but
+  gives them no gradient partition, bucket slot or optimizer state. A module whose output needs
+  no gradient gets no pre-backward node, so it is never re-gathered in backward (as DeepSpeed).
 - Bucketing always follows the ledger's canonical order whatever order autograd produces
   gradients in (a ready-pointer walks the canonical order).
 - ``paper`` flavour, stages 1-2: gradients are reduce-scattered in partition-aligned buckets:

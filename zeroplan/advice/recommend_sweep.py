@@ -131,8 +131,10 @@ class _Family:
             self.direct_ledgers += 1
             zero = self.sw.zero(self.stage, point)
             lay, train = ledger_layouts(self.sw.layout(zero), self.sw.train_layout(zero), self.stage)
+            ft = self.sw.inp.finetune
             led = build_ledger(lay, self.sw.inp.training, zero, gpus_per_node=self.sw.gpn,
-                               comm_model=self.sw.comm_model, train_layout=train)
+                               comm_model=self.sw.comm_model, train_layout=train,
+                               no_backward=ft.no_backward if ft is not None else frozenset())  # as core/plan.py
             calls = Counter()
             proto = {}
             for e in led.collectives:

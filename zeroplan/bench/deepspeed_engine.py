@@ -409,11 +409,76 @@ def select_device(nproc: int, device: str = "auto", *, cuda: Any = None) -> tupl
     return "cpu", "gloo"
 
 
-def _build_model(spec):
-    """``zeroplan.runtime.model.build_model`` in fp32 on CPU (DeepSpeed casts to bf16/fp16 itself)."""
+def _build_model(spec, finetune=None):
+    """``zeroplan.runtime.model.build_model`` in fp32 on CPU (DeepSpeed casts to bf16/fp16 itself),
+    with ``finetune``'s LoRA adapters and frozen base (``zeroplan.runtime.lora.apply_finetune``:
+    PEFT's adapter names and ``requires_grad``) when one is given."""
+    from zeroplan.runtime.lora import apply_finetune
     from zeroplan.runtime.model import build_model
 
-    return build_model(spec, "fp32", "cpu", seed=0)
+    return apply_finetune(build_model(spec, "fp32", "cpu", seed=0), spec, finetune)
+
+
+def _numel_of_tensors(obj) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return int(obj.numel())
+    if isinstance(obj, (list, tuple)):
+        return sum(_numel_of_tensors(x) for x in obj)
+    return 0
+
+
+def _frozen_check(engine, model) -> dict:
+    """What DeepSpeed did with the frozen (``requires_grad=False``) parameters, read from its objects.
+
+    - ``trainable_numel`` / ``frozen_numel``: the model's parameters by ``requires_grad``;
+    - ``optimizer_numel``: elements the innermost torch optimizer steps (its param groups: the
+      fp32 partitions under ZeRO 1-2, ``fp32_partitioned_groups_flat`` at stage 3, the fp32 copies
+      of FP16_UnfusedOptimizer at bf16 stage 0, the parameters themselves at fp32 stage 0);
+    - ``optimizer_state_numel``: elements of its state tensors (AdamW exp_avg + exp_avg_sq; the
+      0-dim ``step`` counters excluded);
+    - ``zero_group_numel``: elements of the bit16 parameters ZeRO put in its groups
+      (stage_1_and_2.py ``bit16_groups``, bf16_optimizer.py ``bf16_groups``, stage3.py
+      ``fp16_groups``), and ``frozen_in_groups``: frozen parameters found in any of them or in the
+      optimizer's param groups (expected: none);
+    - ``frozen_with_grad``: frozen parameters holding a ``.grad`` after the steps (expected: none).
+    """
+    import torch
+
+    frozen = {id(p): n for n, p in model.named_parameters() if not p.requires_grad}
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    groups_params = [p for g in getattr(inner, "param_groups", []) for p in g["params"]]
+    if isinstance(getattr(opt, "fp32_partitioned_groups_flat", None), list):
+        # stage3.py _optimizer_step puts a sub-group's fp32 partition into the param group only
+        # while it steps (`param_groups[...]['params'] = [fp32_param]`, then `[]`): read the partitions
+        groups_params = list(opt.fp32_partitioned_groups_flat)
+    state_numel = 0
+    for st in getattr(inner, "state", {}).values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                state_numel += int(v.numel())
+    zero_groups = []
+    for attr in ("bit16_groups", "bf16_groups", "fp16_groups"):
+        got = getattr(opt, attr, None)
+        if isinstance(got, list) and got:
+            zero_groups = [p for grp in got for p in grp]
+            break
+    in_groups = sorted({frozen[id(p)] for p in zero_groups + groups_params if id(p) in frozen})
+    return {
+        "trainable_numel": sum(int(p.ds_numel if hasattr(p, "ds_numel") else p.numel())
+                               for p in model.parameters() if p.requires_grad),
+        "frozen_numel": sum(int(p.ds_numel if hasattr(p, "ds_numel") else p.numel())
+                            for p in model.parameters() if not p.requires_grad),
+        "trainable_tensors": sum(1 for p in model.parameters() if p.requires_grad),
+        "frozen_tensors": len(frozen),
+        "optimizer_numel": _numel_of_tensors(groups_params),
+        "optimizer_state_numel": state_numel,
+        "zero_group_numel": sum(int(p.ds_numel if hasattr(p, "ds_numel") else p.numel()) for p in zero_groups),
+        "frozen_in_groups": in_groups,
+        "frozen_with_grad": sorted(n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,7 +527,7 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
     torch.manual_seed(1234)
     rec.enabled = False
     rec.phase, rec.step, rec.micro = "init", -1, -1
-    model = _build_model(job["spec"])
+    model = _build_model(job["spec"], job.get("finetune"))
     vocab = int(job["spec"].vocab_size)
     tensors = []
     seen = set()
@@ -474,7 +539,10 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
     if cuda and "optimizer" in cfg:  # DeepSpeed builds the config's optimizer (FusedAdam on CUDA)
         opt = None
     else:
-        opt = torch.optim.AdamW(model.parameters(), **job.get("adamw", {"lr": 1e-3, "weight_decay": 0.0}))
+        # the trainable parameters only, as HF Trainer / PEFT users build it (a frozen parameter
+        # gets no gradient, so torch's AdamW would keep no state for it either)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                **job.get("adamw", {"lr": 1e-3, "weight_decay": 0.0}))
     rec.enabled = True
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     dev = engine.device if cuda else torch.device("cpu")
@@ -532,6 +600,7 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
             storages = _collect_storages(engine)
             memory_after[step] = {"by_category": _memory_by_category(storages), "storages": storages}
 
+    frozen_check = _frozen_check(engine, model)
     cuda_memory = None
     if cuda:
         torch.cuda.synchronize(dev)
@@ -548,6 +617,7 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
     del engine, opt, model
     return {
         "optimizer_class": opt_class,
+        "frozen_check": frozen_check,
         "cuda_memory": cuda_memory,
         "tensors": tensors,
         "records": records,
@@ -562,10 +632,11 @@ def _run_job(job: dict, rec: _Recorder, rank: int) -> dict:
 def _register_backward_snapshot(engine, out: dict):
     """Snapshot the reachable storages when the first parameter's gradient is accumulated.
 
-    In backward the first tensor of the forward order is the last to get its gradient, so at
+    In backward the first trainable tensor of the forward order is the last to get its gradient, so at
     that point every gradient and bucket buffer DeepSpeed holds for the backward pass exists.
     """
-    first = next(iter(engine.module.parameters()))
+    # (trainable only: a frozen parameter gets no gradient, and torch refuses a hook on it)
+    first = next(p for p in engine.module.parameters() if p.requires_grad)
 
     def hook(_p):
         if not out:
@@ -748,6 +819,8 @@ class DeepSpeedRankResult(BaseModel):
     comms_logger: list[dict[str, dict[str, int]]] = Field(
         default_factory=list, description="DeepSpeed comms_logger per measured step: op -> {logged msg bytes: calls}")
     optimizer_class: str = ""
+    frozen_check: dict[str, Any] = Field(
+        default_factory=dict, description="what DeepSpeed did with frozen parameters (see _frozen_check)")
     wall_s: float = 0.0
 
 
@@ -773,6 +846,7 @@ def _to_rank_result(rank: int, raw: dict, warmup: int, steps: int) -> DeepSpeedR
         memory_in_backward=bwd.get("by_category", {}),
         backward_buffers={k: v["bytes"] for k, v in bwd.get("storages", {}).items() if v["category"] == "buffers"},
         comms_logger=raw["comms_logger"][warmup:warmup + steps], optimizer_class=raw.get("optimizer_class", ""),
+        frozen_check=raw.get("frozen_check", {}),
         cuda_memory=raw.get("cuda_memory"),
         wall_s=raw.get("wall_s", 0.0))
 
@@ -864,7 +938,8 @@ def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, 
     """Several configurations in ONE launch (DeepSpeed start-up costs ~10 s per launch).
 
     ``runs``: [{"ds_config": path | JSON text | dict, "precision"?: str, "micro_batch"?: int,
-    "grad_accum"?: int}, ...]; every config is validated before anything starts. Returns, per
+    "grad_accum"?: int, "finetune"?: FineTune (LoRA adapters + frozen base, runtime/lora.py)},
+    ...]; every config is validated before anything starts. Returns, per
     run, one ``DeepSpeedRankResult`` per rank (a failed run has ``failure`` set on its ranks).
     """
     if nproc < 1 or steps < 1 or warmup < 0:
@@ -879,7 +954,7 @@ def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, 
                                              hidden_size=hidden, device=dev)
         jobs.append({"name": f"run{i}", "ds_config": cfg, "precision": prec, "steps": warmup + steps,
                      "seq_len": seq_len, "spec": spec, "adamw": adamw, "memory_step": warmup + steps - 1,
-                     "device": dev, "memory_from_step": warmup})
+                     "device": dev, "memory_from_step": warmup, "finetune": run.get("finetune")})
     if not deepspeed_available():
         raise InputError("--engine deepspeed: DeepSpeed is not installed; install it with "
                          "DS_BUILD_OPS=0 pip install 'zeroplan[deepspeed]'")
@@ -890,7 +965,7 @@ def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, 
 def run_deepspeed_steps(spec, ds_config: str | dict, *, nproc: int, steps: int = 2, warmup: int = 2,
                         micro_batch: int | None = 1, seq_len: int = 16, grad_accum: int | None = None,
                         precision: str | None = None, timeout_s: float = 900.0,
-                        device: str = "auto") -> list[DeepSpeedRankResult]:
+                        device: str = "auto", finetune: Any = None) -> list[DeepSpeedRankResult]:
     """Train ``spec`` (a ModelSpec) with the REAL DeepSpeed engine on ``nproc`` CPU ranks (gloo).
 
     ``ds_config``: path, JSON text or dict; validated strictly by zeroplan first (bad configs
@@ -899,7 +974,8 @@ def run_deepspeed_steps(spec, ds_config: str | dict, *, nproc: int, steps: int =
     ``grad_accum`` micro-steps of ``micro_batch`` × ``seq_len`` tokens. ``precision``
     (fp32/bf16/fp16) overrides the config's. Returns one ``DeepSpeedRankResult`` per rank.
     """
-    run = {"ds_config": ds_config, "precision": precision, "micro_batch": micro_batch, "grad_accum": grad_accum}
+    run = {"ds_config": ds_config, "precision": precision, "micro_batch": micro_batch, "grad_accum": grad_accum,
+           "finetune": finetune}
     return run_deepspeed_matrix(spec, [run], nproc=nproc, steps=steps, warmup=warmup, seq_len=seq_len,
                                 timeout_s=timeout_s, device=device)[0]
 

@@ -99,16 +99,24 @@ def _zero_config(stage: int, ds: Any) -> Any:
 
 def predict(spec: Any, zero: Any, *, precision: str, micro_batch: int, seq_len: int, grad_accum: int,
             n: int, comm_model: str = "deepspeed", hardware: Any = None, optimizer: str = "adamw",
-            checkpointing: str = "none") -> Any:
-    """The planner's ``Plan`` for exactly this run (``zeroplan.core.plan.evaluate``)."""
+            checkpointing: str = "none", finetune: Any = None) -> Any:
+    """The planner's ``Plan`` for exactly this run (``zeroplan.core.plan.evaluate``).
+
+    ``finetune``: a ``specs.finetune.FineTune`` (LoRA / partial training): the plan then takes
+    the trainable and full views of ``core.finetune.finetune_views``, as ``estimate`` does.
+    """
+    from zeroplan.core.finetune import finetune_views
     from zeroplan.core.plan import evaluate
     from zeroplan.specs.training import TrainingSetup, get_optimizer, get_precision
 
     training = TrainingSetup(precision=get_precision(precision), optimizer=get_optimizer(optimizer),
                              micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, flash_attention=True,
                              checkpointing=checkpointing)
+    views = None
+    if finetune is not None and not finetune.is_full:
+        views = finetune_views(spec, finetune, compute_bytes=training.precision.param_bytes)
     return evaluate(model=spec, training=training, zero=zero, n_gpus=n, gpus_per_node=n, hardware=hardware,
-                    comm_model=comm_model)
+                    comm_model=comm_model, finetune=views)
 
 
 # ---------------------------------------------------------------------- one rank
@@ -116,7 +124,8 @@ def measure_rank(rank: int, world: int, spec: Any, runs: list[dict[str, Any]], d
     """Run every configuration of ``runs`` on this rank; return one measurement dict per run.
 
     A run: {"zero": ZeroConfig, "precision", "micro_batch", "seq_len", "grad_accum", "warmup",
-    "steps", "comm_model", "memory_limit_bytes" (optional), "seed"}.
+    "steps", "comm_model", "memory_limit_bytes" (optional), "seed", "finetune" (optional: a
+    ``FineTune``; LoRA adapters and a frozen base, ``runtime.lora.apply_finetune``)}.
     """
     import gc
 
@@ -124,6 +133,7 @@ def measure_rank(rank: int, world: int, spec: Any, runs: list[dict[str, Any]], d
 
     from zeroplan.runtime.comm import InstrumentedComm
     from zeroplan.runtime.engine import ZeroEngine
+    from zeroplan.runtime.lora import apply_finetune
     from zeroplan.runtime.memory import SimulatedOutOfMemory, make_meter
     from zeroplan.runtime.model import build_model
 
@@ -138,6 +148,7 @@ def measure_rank(rank: int, world: int, spec: Any, runs: list[dict[str, Any]], d
             with meter:
                 model = build_model(spec, run["precision"], dev, seed=run.get("seed", 0),
                                     checkpointing=run.get("checkpointing", "none"))
+                apply_finetune(model, spec, run.get("finetune"), seed=run.get("seed", 0))
                 engine = ZeroEngine(model, run["zero"], precision=run["precision"], comm=comm,
                                     grad_accum=run["grad_accum"], comm_model=run["comm_model"], meter=meter)
                 gen = torch.Generator().manual_seed(1000 + rank)
@@ -307,12 +318,13 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
                    memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
                    tolerance: dict[str, float] | None = None, zero_overrides: dict[str, Any] | None = None,
                    fault: dict[str, Any] | None = None, checkpointing: str = "none",
-                   bucket_scale: float | None = None, scaled_from: Any = None) -> dict:
+                   bucket_scale: float | None = None, scaled_from: Any = None, finetune: Any = None) -> dict:
     """Measure and compare every stage; returns the JSON-able report (``ok`` = all within tolerance).
 
     ``bucket_scale``: multiply the bucket sizes the config does not set by this factor
     (``zero_inputs.scale_buckets``); None keeps DeepSpeed's absolute defaults.
     ``scaled_from``: the full model spec the run was scaled from (named in the report).
+    ``finetune``: a ``FineTune`` (LoRA adapters, frozen base) applied to the model and the plan.
     """
     from zeroplan.runtime.launch import RankError, join_torchrun, spawn, under_torchrun
 
@@ -337,7 +349,7 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
         runs.append({"zero": zero, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
                      "grad_accum": grad_accum, "warmup": max(warmup, 2 if st == 3 else warmup), "steps": steps,
                      "comm_model": comm_model, "memory_limit_bytes": memory_limit_bytes, "fault": fault,
-                     "checkpointing": checkpointing})
+                     "checkpointing": checkpointing, "finetune": finetune})
     failures = []
     world = nproc
     _preload_dispatch()
@@ -361,6 +373,7 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
         "grad_accum": grad_accum, "steps": steps, "warmup": warmup, "comm_model": comm_model, "backend": backend,
         "device": device, "checkpointing": checkpointing, "buckets": buckets, "bucket_scale": bucket_scale,
         "scaled_from": None if scaled_from is None else {"name": scaled_from.name, "params": scaled_from.params},
+        "finetune": _finetune_summary(spec, finetune),
         "tolerance": tol, "stages": [], "failures": failures, "findings": [],
     }
     ok = not failures
@@ -368,7 +381,7 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
         zero = runs[k]["zero"]
         plan = predict(spec, zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
                        grad_accum=grad_accum, n=world, comm_model=comm_model, hardware=hardware,
-                       checkpointing=checkpointing)
+                       checkpointing=checkpointing, finetune=finetune)
         entry: dict[str, Any] = {"stage": st, "zero": zero.model_dump(mode="json", include={
             "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "overlap_comm", "contiguous_gradients", "param_persistence_threshold",
             "max_reuse_distance", "sub_group_size", "use_multi_rank_bucket_allreduce"}),
@@ -414,7 +427,7 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
 def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: int, precision: str,
                         micro_batch: int, seq_len: int, grad_accum: int, steps: int, warmup: int,
                         hardware: Any = None, tolerance: dict[str, float] | None = None,
-                        timeout_s: float = 900.0) -> dict:
+                        timeout_s: float = 900.0, finetune: Any = None) -> dict:
     """``bench zero --engine deepspeed``: the same model through DeepSpeed's real engine.
 
     Collectives are recorded by wrapping torch.distributed in every rank; model states are the
@@ -438,7 +451,7 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
     device, backend = select_device(nproc)
     results = run_deepspeed_steps(spec, ds_config, nproc=nproc, steps=steps, warmup=max(2, warmup),
                                   micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
-                                  precision=precision, timeout_s=timeout_s, device=device)
+                                  precision=precision, timeout_s=timeout_s, device=device, finetune=finetune)
     failures = [r.failure.model_dump() for r in results if r.failure is not None]
     report: dict[str, Any] = {
         "engine": "deepspeed",
@@ -446,11 +459,11 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
                   "vocab": spec.vocab_size, "model_type": spec.model_type},
         "world_size": nproc, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
         "grad_accum": grad_accum, "steps": steps, "warmup": max(2, warmup), "comm_model": "deepspeed",
-        "backend": backend, "device": device,
+        "backend": backend, "device": device, "finetune": _finetune_summary(spec, finetune),
         "tolerance": tol, "stages": [], "failures": failures, "findings": [],
     }
     plan = predict(spec, ds.zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                   grad_accum=grad_accum, n=nproc, comm_model="deepspeed", hardware=hardware)
+                   grad_accum=grad_accum, n=nproc, comm_model="deepspeed", hardware=hardware, finetune=finetune)
     entry: dict[str, Any] = {"stage": stage, "predicted_peak_bytes": plan.memory.peak,
                              "predicted_peak_phase": plan.memory.peak_phase, "rows": []}
     if not failures:
@@ -467,6 +480,14 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
         entry["rows"] = compare(plan, measured, model_state_tol=tol["model_state"], phase_tol=tol["phase_peak"],
                                 collective_tol=tol["collective"], include_host=True, device=device,
                                 hardware=hardware)
+        if finetune is not None:  # DeepSpeed's own objects: frozen parameters carry no gradient, no state
+            fc = [r.frozen_check for r in results]
+            entry["rows"].append(_row("frozen", "frozen parameters in ZeRO / optimizer groups", 0,
+                                      sum(len(c.get("frozen_in_groups", [])) for c in fc), 0.0))
+            entry["rows"].append(_row("frozen", "frozen parameters holding a gradient", 0,
+                                      sum(len(c.get("frozen_with_grad", [])) for c in fc), 0.0))
+            entry["rows"].append(_row("frozen", "AdamW exp_avg + exp_avg_sq elements (max rank)",
+                                      None, max(c.get("optimizer_state_numel", 0) for c in fc), None))
         cm = [r.cuda_memory for r in results if r.cuda_memory]
         if cm:  # CUDA: the allocator's peaks over the measured steps, max over ranks (shown, not gated)
             entry["rows"].append(_row("phase_peak", "peak allocated (max_memory_allocated)", plan.memory.peak,
@@ -580,7 +601,9 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
                        layers: int | None = None, hidden: int | None = None, hardware: str | None = None,
                        optimizer: str | None = None, backend: str = "auto", memory_limit: Any = None,
                        timeout: float = 300.0, engine: str = "zeroplan", checkpointing: str = "none",
-                       keep_buckets: bool = False, **_ignored: Any) -> int:
+                       keep_buckets: bool = False, method: str | None = None, lora_r: int | None = None,
+                       lora_alpha: float | None = None, lora_targets: str | None = None,
+                       trainable: str | None = None, **_ignored: Any) -> int:
     """The `bench zero` command: returns the exit code (0 ok, 1 a figure out of tolerance or a fault)."""
     from zeroplan._util import parse_count
     from zeroplan.specs.model import load_model
@@ -639,6 +662,10 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
     if checkpointing != "none" and (engine == "deepspeed" or simulate):
         raise InputError("--checkpointing runs with the bundled runtime on real ranks only; "
                          "drop --engine deepspeed / --simulate")
+    ft = _bench_finetune(full, method=method, lora_r=lora_r, lora_alpha=lora_alpha, lora_targets=lora_targets,
+                         trainable=trainable)
+    if ft is not None and simulate:
+        raise InputError("--simulate traces full training only; drop --method / --lora-* / --trainable")
     if engine == "deepspeed":
         if ds_config is None:
             raise InputError("--engine deepspeed needs --ds-config CONFIG (the DeepSpeed config to run)")
@@ -647,7 +674,7 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
         spec = scaled_spec(full, layers=layers if layers is not None else 2, hidden=hidden if hidden is not None else 64)
         report = run_deepspeed_bench(spec, ds_config, st_list, nproc=_positive("--nproc", nproc), precision=prec,
                                      micro_batch=mb, seq_len=sl, grad_accum=ga, steps=nsteps, warmup=nwarm,
-                                     hardware=hw, tolerance=tol, timeout_s=timeout)
+                                     hardware=hw, tolerance=tol, timeout_s=timeout, finetune=ft)
     elif simulate:
         n = _positive("--gpus", gpus if gpus is not None else nproc)
         spec = scaled_spec(full, layers=layers, hidden=hidden, vocab=None, experts=None) if (layers or hidden) else full
@@ -662,7 +689,7 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
                                 micro_batch=mb, seq_len=sl, grad_accum=ga, steps=nsteps, warmup=nwarm,
                                 comm_model=comm_model, hardware=hw, backend=resolve_backend(backend),
                                 memory_limit_bytes=limit, timeout_s=timeout, tolerance=tol,
-                                checkpointing=checkpointing, bucket_scale=scale, scaled_from=full)
+                                checkpointing=checkpointing, bucket_scale=scale, scaled_from=full, finetune=ft)
     if report.get("non_zero_rank"):
         return 0
     text = json.dumps(report, indent=2, allow_nan=False, default=str)
@@ -675,6 +702,34 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
     else:
         _render(report)
     return 0 if report["ok"] else 1
+
+
+def _bench_finetune(spec: Any, **flags: Any) -> Any:
+    """The ``FineTune`` of the fine-tuning flags (core/finetune_inputs.py, as ``estimate`` reads
+    them), or None for full training; refuses what the bundled runtime cannot build (runtime/lora.py)."""
+    from zeroplan.core.finetune_inputs import FineTuneOptions, _fine_tune
+
+    ft = _fine_tune(spec, FineTuneOptions(**flags))
+    if ft is None or ft.is_full:
+        return None
+    if ft.method == "qlora":
+        raise InputError("--method qlora: bench zero runs LoRA on an unquantised base (the planner still models "
+                         "QLoRA); use --method lora")
+    return ft
+
+
+def _finetune_summary(spec: Any, ft: Any) -> dict | None:
+    """Counts of the fine-tuned run for the report (specs/finetune.py finetune_inventory)."""
+    if ft is None:
+        return None
+    from zeroplan.specs.finetune import finetune_inventory
+
+    inv = finetune_inventory(spec, ft)
+    return {"method": ft.method, "lora_r": ft.lora.r if ft.lora else None,
+            "lora_targets": list(ft.lora.targets) if ft.lora and not isinstance(ft.lora.targets, str)
+            else (ft.lora.targets if ft.lora else None),
+            "trainable": list(ft.trainable), "trainable_params": inv.trainable_params,
+            "frozen_params": inv.frozen_params, "adapter_params": inv.adapter_params}
 
 
 def run_simulated_bench(spec: Any, stages: list[int], *, n: int, precision: str, ds: Any = None,

@@ -96,6 +96,12 @@ def header_lines(report: dict[str, Any]) -> list[str]:
              f"grad-accum {report['grad_accum']}, checkpointing {report.get('checkpointing', 'none')}, "
              f"{report.get('warmup', 0)} warm-up + {report['steps']} measured step(s), "
              f"{report['comm_model']} schedule; bytes per rank"]
+    ft = report.get("finetune")
+    if ft:
+        what = (f"LoRA r={ft['lora_r']} on {ft['lora_targets'] if isinstance(ft['lora_targets'], str) else ','.join(ft['lora_targets'])}"
+                if ft.get("lora_r") else f"training {','.join(ft.get('trainable') or [])}")
+        lines.append(f"fine-tuning: {what}; {ft['trainable_params']:,} trainable, {ft['frozen_params']:,} frozen "
+                     "(frozen: no gradient, no optimizer state)")
     buckets = report.get("buckets") or {}
     if buckets:
         parts = [f"{k} {v['scaled']:,} (default {v['default']:,})" for k, v in buckets.items()]

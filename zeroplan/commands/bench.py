@@ -12,7 +12,18 @@ from typing import Any, Optional
 import typer
 
 from zeroplan._util import InputError, validate_output_path
-from zeroplan.commands._common import console, err_console, fail, handle_errors, print_json
+from zeroplan.commands._common import (
+    LoraAlpha,
+    LoraR,
+    LoraTargets,
+    Method,
+    Trainable,
+    console,
+    err_console,
+    fail,
+    handle_errors,
+    print_json,
+)
 
 __all__ = ["register", "bench_app"]
 
@@ -235,6 +246,11 @@ def zero(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
     engine: str = typer.Option("zeroplan", "--engine", help="zeroplan (the bundled runtime) or deepspeed (DeepSpeed's "
                                "real engine with --ds-config; needs zeroplan[deepspeed])."),
+    method: Method = None,
+    lora_r: LoraR = None,
+    lora_alpha: LoraAlpha = None,
+    lora_targets: LoraTargets = None,
+    trainable: Trainable = None,
 ) -> None:
     """Run real ZeRO steps per stage and compare predicted vs measured memory and collectives.
 
@@ -242,6 +258,8 @@ def zero(
     becomes 164,672 parameters), micro-batch 2, sequence 32, grad-accum 1, 2 warm-up + 2 measured
     steps. Bucket sizes the DeepSpeed config does not set are scaled by the same factor as the
     model (--keep-buckets uses DeepSpeed's absolute defaults). The header prints every input.
+    --method lora / --lora-r / --lora-targets / --trainable: both engines train LoRA adapters (or
+    the matching tensors) on a frozen base, and the prediction plans the same fine-tuning.
     """
     require_torch("bench zero")
     from zeroplan.runtime.launch import check_gpus_for, resolve_backend, under_torchrun
@@ -261,7 +279,8 @@ def zero(
                    steps=steps, warmup=warmup, layers=layers, hidden=hidden, nproc=nproc, simulate=simulate,
                    gpus=gpus, backend=backend, comm_model=comm_model, memory_limit=memory_limit,
                    tolerance=tolerance, timeout=timeout, output=output, json_out=json_out, engine=engine,
-                   checkpointing=checkpointing, keep_buckets=keep_buckets)
+                   checkpointing=checkpointing, keep_buckets=keep_buckets, method=method, lora_r=lora_r,
+                   lora_alpha=lora_alpha, lora_targets=lora_targets, trainable=trainable)
     code = run_bench_zero_cli(**options)
     if code:
         raise typer.Exit(int(code))

@@ -134,12 +134,14 @@ def build_ledger(
     comm_model: str = "deepspeed",
     schedule: Stage3Schedule | None = None,
     train_layout: Layout | None = None,
+    no_backward: frozenset[str] = frozenset(),
 ) -> CommLedger:
     """The collectives of one optimizer step for ``zero.stage`` (see module docstring).
 
     With frozen weights (core/finetune.py) stages 0–2 communicate only the trainable parameters,
     so the caller passes their layout as ``layout``; stage 3 gathers every parameter (``layout``)
-    but reduces and updates only the trainable ones (``train_layout``).
+    but reduces and updates only the trainable ones (``train_layout``); ``no_backward`` names the
+    modules whose output needs no gradient (``FineTuneViews.no_backward``): never re-gathered.
     """
     tl = layout if train_layout is None else train_layout
     if comm_model not in ("deepspeed", "paper"):
@@ -213,7 +215,9 @@ def build_ledger(
                 B.add("all_gather", "forward", "parameters" if nparams > 1 else "module parameters", size * b_p, gas,
                       pdt, True)
         for m, again in zip(layout.modules, sched.regather):
-            if not again:
+            # a module whose output needs no gradient is never fetched in backward (core/finetune.py
+            # no_backward_modules: parameter_offload.py's PreBackwardFunctionForModule never runs)
+            if not again or m.name in no_backward:
                 continue
             if hpz > 1:
                 # groups of min(hpz, world) consecutive ranks (DeepSpeed 0.19.8 utils/groups.py::
@@ -238,8 +242,12 @@ def build_ledger(
                       gas, "int4", overlap, group="inter-node", group_size=B.nodes)
         else:
             B.buckets("reduce_scatter", "backward", "gradient bucket", buckets, b_c, gas, cdt, overlap)
-        for t in tl.persistent_tensors:
-            B.add("all_gather", "step", "persistent parameter", tl.padded(t.numel) * b_p, 1, pdt, False)
+        # stage3.py _post_step: `self.persistent_parameters[0].all_gather(self.persistent_parameters)`;
+        # persistent_parameters is parameter_offload.py mark_persistent_parameters over EVERY named
+        # parameter (frozen ones too: step() released them all, release_and_reset_all), so with
+        # frozen weights the gathers cover the full layout's persistent tensors, not only the trainable
+        for t in layout.persistent_tensors:
+            B.add("all_gather", "step", "persistent parameter", layout.padded(t.numel) * b_p, 1, pdt, False)
         if ds:
             off = getattr(getattr(zero, "offload_optimizer", None), "device", "none")
             if str(getattr(off, "value", off)) != "none":

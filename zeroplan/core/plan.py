@@ -100,7 +100,8 @@ def evaluate(
                            flavour=comm_model, finetune=finetune, train_layout=train_layout)
     led_layout, led_train = ledger_layouts(layout, train_layout, stage)
     ledger: CommLedger = build_ledger(led_layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model,
-                                      train_layout=led_train)
+                                      train_layout=led_train,
+                                      no_backward=finetune.no_backward if finetune is not None else frozenset())
     off_opt = _device(zero, "offload_optimizer") if stage >= 1 else "none"
     off_par = _device(zero, "offload_param") if stage == 3 else "none"
     comm = CommResult(

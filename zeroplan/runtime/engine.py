@@ -44,6 +44,11 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
   copied into the persistent ``ipg`` bucket (p̂ per param) as they arrive, interleaved per rank
   into a bucket-sized copy and reduce-scattered. After the step: one all-gather per
   persistent param, in place, and the norm all-reduce (8-byte fp64; 4-byte fp32 with offload).
+- Frozen parameters (``requires_grad`` False; runtime/lora.py): stages 0-2 leave them whole on
+  every rank, outside the flat buffers, buckets and optimizer; stage 3 partitions and gathers
+  them (their own flat partition buffer) and re-gathers the persistent ones after the step, but
+  gives them no gradient partition, bucket slot or optimizer state. A module whose output needs
+  no gradient gets no pre-backward node, so it is never re-gathered in backward (as DeepSpeed).
 - Bucketing always follows the ledger's canonical order whatever order autograd produces
   gradients in (a ready-pointer walks the canonical order).
 - ``paper`` flavour, stages 1-2: gradients are reduce-scattered in partition-aligned buckets:
@@ -216,6 +221,22 @@ class ZeroEngine:
         self.units = units
         self.params: list[Any] = [p for _, _, ps in units for _, p in ps]
         self.names: list[str] = [n for _, _, ps in units for n, _ in ps]
+        # Frozen parameters (requires_grad False, runtime/lora.py), as DeepSpeed 0.19.8 treats them:
+        # stages 0-2 leave them out of the optimizer's flat groups (stage_1_and_2.py
+        # DeepSpeedZeroOptimizer.__init__: `if is_optimized_parameter(param)` -> bit16_groups;
+        # bf16_optimizer.py BF16_Optimizer.__init__ likewise; the stage-0 all-reduce in engine.py
+        # skips `not param.requires_grad`): whole on every rank, no gradient, no state, no
+        # communication. Stage 3 partitions and gathers them like any parameter
+        # (parameter_offload.py _convert_to_zero_parameters; mark_persistent_parameters walks every
+        # named parameter) but reduces and updates only the trainable ones (stage3.py
+        # _get_trainable_parameter_groups).
+        self.frozen: list[Any] = [p for p in self.params if not p.requires_grad]
+        if len(self.frozen) == len(self.params):
+            raise ValueError("every parameter is frozen (requires_grad False): nothing to train")
+        if self.stage < 3 and self.frozen:
+            keep = [k for k, p in enumerate(self.params) if p.requires_grad]
+            self.params = [self.params[k] for k in keep]
+            self.names = [self.names[k] for k in keep]
         for p in self.params:
             if p.dtype != self.dtype:
                 raise ValueError(f"parameter dtype {p.dtype} does not match precision {precision}")
@@ -231,6 +252,9 @@ class ZeroEngine:
         self.psi = sum(self.numels)
         self._opt_dev = self.host if self.offload else self.device
         self._hooks: list[Any] = []
+        if self.stage < 3:
+            for p in self.frozen:  # held whole, as the module holds them
+                self._tag(p.data, "params")
         [self._setup0, self._setup12, self._setup12, self._setup3][self.stage]()
 
     # ------------------------------------------------------------------ helpers
@@ -266,7 +290,8 @@ class ZeroEngine:
         return master, m, v
 
     def _ready_order(self) -> list[int]:
-        return list(range(len(self.params) - 1, -1, -1))
+        """Trainable parameters in gradient-ready (reverse forward) order."""
+        return [i for i in range(len(self.params) - 1, -1, -1) if self.params[i].requires_grad]
 
     # ------------------------------------------------------------------ stage 0
     def _setup0(self) -> None:
@@ -558,7 +583,8 @@ class ZeroEngine:
                 self._bucket_of[i] = k
         self._last_in_bucket = {ps[-1]: k for k, (_, _, ps) in enumerate(self.buckets)}
         for i, p in enumerate(self.params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i)))
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i)))
 
     def _grad_ready(self, i: int) -> None:
         self._ready[i] = True
@@ -614,20 +640,28 @@ class ZeroEngine:
                 used += k
             self.persistent.append(pers)
         self.chunk = [ceil_div(k, n) for k in self.numels]  # p̂/N per param
-        self.part_n = sum(self.chunk)
-        self.part_offsets = []
-        off = 0
-        for c in self.chunk:
-            self.part_offsets.append(off)
-            off += c
+        # the trainable partitions are one flat buffer (fp16_partitioned_groups_flat, the optimizer's
+        # view); frozen ones are separate ds_tensors in DeepSpeed, one flat buffer here
+        self.train = [i for i, p in enumerate(self.params) if p.requires_grad]
+        self.part_n = sum(self.chunk[i] for i in self.train)
+        self.part_offsets = [0] * len(self.params)
+        off = foff = 0
+        for i, c in enumerate(self.chunk):
+            if self.params[i].requires_grad:
+                self.part_offsets[i] = off
+                off += c
+            else:
+                self.part_offsets[i] = foff
+                foff += c
         self.lp = self._empty(self.part_n, "params", zero=True)
+        self.lp_frozen = self._empty(foff, "params", zero=True) if foff else None
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 c = self.chunk[i]
                 full = self._tag(torch.zeros(c * n, dtype=self.dtype, device=self.device), "params")
                 full[:self.numels[i]].copy_(p.detach().reshape(-1))
-                self.lp[self.part_offsets[i]:self.part_offsets[i] + c].copy_(full[self.rank * c:(self.rank + 1) * c])
+                self._part(i).copy_(full[self.rank * c:(self.rank + 1) * c])
                 if self.persistent[i]:  # kept whole, stored padded to p̂ (the post-step gather writes in place)
                     p.data = full[:self.numels[i]].view(self.shapes[i])
                 else:
@@ -704,7 +738,7 @@ class ZeroEngine:
         self.unit_seen = [0] * nu
         self.unit_pending = [0] * nu
         # reduce-scatter buckets over padded sizes, gradient-ready order
-        order = self._ready_order()
+        order = self._ready_order()  # trainable only: frozen parameters get no gradient
         self.buckets = [(0, 0, [order[k] for k in idx])
                         for idx in greedy_buckets([self.chunk[i] * n for i in order], self.rbs)]
         self.ipg = [self._empty(self.rbs, "buffers")] if self.contiguous else []
@@ -716,6 +750,11 @@ class ZeroEngine:
                 self._pos3[i] = pos
                 pos += self.chunk[i] * n
         self._install_grad_hooks()
+
+    def _part(self, i: int) -> Any:
+        """Param i's stage-3 partition (p̂/N elements): in the trainable flat buffer or the frozen one."""
+        src = self.lp if self.params[i].requires_grad else self.lp_frozen
+        return src[self.part_offsets[i]:self.part_offsets[i] + self.chunk[i]]
 
     # forward / backward hooks
     def _pre_forward(self, mod: Any, args: Any) -> None:
@@ -765,12 +804,11 @@ class ZeroEngine:
                 i = ps[0]
                 c = self.chunk[i]
                 out = self._empty(c * n, "buffers")
-                self.comm.all_gather(out, self.lp[self.part_offsets[i]:self.part_offsets[i] + c])
+                self.comm.all_gather(out, self._part(i))
                 self.params[i].data = out[:self.numels[i]].view(self.shapes[i])
             else:  # coalesced: a flat buffer, then one copy per param (the ~2x transient)
                 width = sum(self.chunk[i] for i in ps)
-                inp = self._tag(torch.cat([self.lp[self.part_offsets[i]:self.part_offsets[i] + self.chunk[i]]
-                                           for i in ps]), "buffers")
+                inp = self._tag(torch.cat([self._part(i) for i in ps]), "buffers")
                 out = self._empty(width * n, "buffers")
                 self.comm.all_gather(out, inp)
                 grid = out.view(n, width)
@@ -876,13 +914,13 @@ class ZeroEngine:
         elif self.stage == 3:
             self._begin_backward_hooks()
             self.unit_pending = [0] * len(self.unit_params)
-            for i in range(len(self.params)):
+            for i in self.train:
                 self.unit_pending[self.unit_of_param[i]] += 1
 
     def _after_backward(self) -> None:
         if self.stage == 2:
             if self.ds:
-                if self._ptr != len(self.params):
+                if self._ptr != len(self._order):
                     raise RuntimeError("stage 2: some parameters received no gradient in backward")
                 self._drain()
                 self._free_ipg()
@@ -891,7 +929,7 @@ class ZeroEngine:
                 for p in self.params:
                     p.grad = None
         elif self.stage == 3:
-            if self._ptr != len(self.params):
+            if self._ptr != len(self._order):
                 raise RuntimeError("stage 3: some parameters received no gradient in backward")
             self._release([i for i in range(len(self.params)) if self.live[i]])
 
@@ -981,7 +1019,7 @@ class ZeroEngine:
             sgs = int(_get(self.zero, "sub_group_size", 1_000_000_000))
             groups = []
             start = cur = 0
-            for c in self.chunk:
+            for c in (self.chunk[i] for i in self.train):
                 cur += c
                 if cur - start >= sgs:
                     groups.append((start, cur))
@@ -993,12 +1031,15 @@ class ZeroEngine:
                 self._step_group(self.grad_part[a:b], self.master[a:b], self.m[a:b], self.v[a:b], self.lp[a:b], a)
                 norm_sq = norm_sq + self._norm_sq.cpu()
             self.grad_part.zero_()
+            # stage3.py _post_step: `self.persistent_parameters[0].all_gather(self.persistent_parameters)`
+            # re-gathers EVERY persistent parameter, frozen ones too (step() released them all first:
+            # _partition_all_parameters -> release_and_reset_all)
             for i, p in enumerate(self.params):
                 if self.persistent[i]:  # in place into the padded whole copy
                     c = self.chunk[i]
                     full = self.torch.empty(0, dtype=self.dtype, device=self.device).set_(
                         p.data.untyped_storage(), 0, (c * self.n,))
-                    self.comm.all_gather(full, self.lp[self.part_offsets[i]:self.part_offsets[i] + c])
+                    self.comm.all_gather(full, self._part(i))
                     del full
             if self.ds:
                 dt = torch.float32 if self.offload else torch.float64  # DeepSpeed 0.19.8: 4 B with offload

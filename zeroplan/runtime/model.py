@@ -76,13 +76,14 @@ def _make_classes():
             x, w = ctx.saved_tensors
             go2 = go.reshape(-1, go.shape[-1])
             x2 = x.reshape(-1, x.shape[-1])
+            need_x, need_w, need_b, _ = ctx.needs_input_grad  # a frozen weight (runtime/lora.py) gets none
             if ctx.conv1d:
-                gx = go @ w.t()
-                gw = x2.t() @ go2
+                gx = go @ w.t() if need_x else None
+                gw = x2.t() @ go2 if need_w else None
             else:
-                gx = go @ w
-                gw = go2.t() @ x2
-            gb = go2.sum(0) if ctx.has_bias else None
+                gx = go @ w if need_x else None
+                gw = go2.t() @ x2 if need_w else None
+            gb = go2.sum(0) if ctx.has_bias and need_b else None
             return gx, gw, gb, None
 
     class Holder(nn.Module):
@@ -96,6 +97,9 @@ def _make_classes():
             self.eps = eps
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if "base_layer" in self._modules:  # runtime/lora.py: peft's lora.Linear.forward
+                y = self.base_layer(x)  # the frozen weight in its own module, as PEFT wraps it
+                return y + self.lora_B["default"](self.lora_A["default"](x)) * self.lora_scaling
             k = self.kind
             w = self.weight
             b = getattr(self, "bias", None)

@@ -36,6 +36,7 @@ from zeroplan.core.host_memory import HostMemory, host_memory
 from zeroplan.core.layout import Layout, build_layout
 from zeroplan.core.memory_buffers import GatherPeak, phase_buffers
 from zeroplan.core.memory_states import model_state_bytes, state_plan
+from zeroplan.specs.deepspeed_config import ZeroConfig, zero_or_default
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
 
@@ -101,16 +102,6 @@ class MemoryBreakdown(BaseModel):
     optimizer_wrapper: str = "zero"  # what DeepSpeed wraps the optimizer in (core/memory_states.py)
     step_transient_bytes: int = 0  # the step's large new blocks (core/allocator.py)
     notes: list[str] = Field(default_factory=list)
-
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    return getattr(obj, name, default) if obj is not None else default
-
-
-def _offload_device(zero: Any, which: str) -> str:
-    off = _get(zero, which)
-    dev = _get(off, "device", "none") if off is not None else "none"
-    return str(getattr(dev, "value", dev) or "none")
 
 
 def _phase(p_params: int, p_grads: int, p_opt: int, p_buf: int, p_act: int) -> PhaseMemory:
@@ -181,7 +172,7 @@ def _finetune_note(ft: FineTuneViews, stage: int) -> str:
 def memory_for_stage(
     spec: ModelSpec,
     training: TrainingSetup,
-    zero: Any,
+    zero: ZeroConfig | None,
     n_gpus: int,
     *,
     gpus_per_node: int = 1,
@@ -193,8 +184,8 @@ def memory_for_stage(
 ) -> MemoryBreakdown:
     """Per-GPU memory for ``zero.stage`` on ``n_gpus`` data-parallel GPUs.
 
-    ``zero`` is a zeroplan.specs.deepspeed_config.ZeroConfig (or any object with the same
-    attribute names). ``overhead`` = {"cuda_context_bytes", "nccl_bytes" (per communicator),
+    ``zero`` is a zeroplan.specs.deepspeed_config.ZeroConfig (None: DeepSpeed's defaults, stage 0).
+    ``overhead`` = {"cuda_context_bytes", "nccl_bytes" (per communicator),
     "fragmentation_fraction"} from the hardware profile, or None (reported as 0, with a note).
     ``flavour``: "deepspeed" (what DeepSpeed 0.19.8 allocates) or "paper" (the ZeRO paper's
     accounting of model states; core/memory_states.py).
@@ -202,23 +193,24 @@ def memory_for_stage(
     parameter (what stage 3 partitions and gathers) and ``train_layout`` the trainable ones
     (gradients, optimizer states, buckets, offload).
     """
-    stage = int(_get(zero, "stage", 0))
+    zero = zero_or_default(zero)
+    stage = int(zero.stage)
     if layout is None:
         layout = build_layout(
             spec, n_gpus,
-            persistence_threshold=int(_get(zero, "param_persistence_threshold", 100_000)) if stage == 3 else 0,
-            model_persistence_threshold=_get(zero, "model_persistence_threshold", None),
+            persistence_threshold=int(zero.param_persistence_threshold) if stage == 3 else 0,
+            model_persistence_threshold=zero.model_persistence_threshold,
         )
     if finetune is not None and train_layout is None:
         train_layout = build_layout(
             finetune.trainable, n_gpus,
-            persistence_threshold=int(_get(zero, "param_persistence_threshold", 100_000)) if stage == 3 else 0,
-            model_persistence_threshold=_get(zero, "model_persistence_threshold", None),
+            persistence_threshold=int(zero.param_persistence_threshold) if stage == 3 else 0,
+            model_persistence_threshold=zero.model_persistence_threshold,
         )
     tl = layout if train_layout is None else train_layout
     notes: list[str] = []
-    off_opt = _offload_device(zero, "offload_optimizer") if stage >= 1 else "none"
-    off_par = _offload_device(zero, "offload_param") if stage == 3 else "none"
+    off_opt = zero.optimizer_offload_device
+    off_par = zero.param_offload_device
     sp = state_plan(training, stage, offload=off_opt != "none", flavour=flavour)
     if sp.note:
         notes.append(sp.note)

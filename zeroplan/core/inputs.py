@@ -99,6 +99,155 @@ def _check_positive(name: str, value: int | None) -> None:
         raise InputError(f"{name} must be a positive integer, got {value}")
 
 
+def _checked_options(*, gpus: int | None, nodes: int | None, gpus_per_node: int | None, micro_batch: int | None,
+                     seq_len: int | None, grad_accum: int | None, optimizer_impl: str | None,
+                     stage: int | list[int] | None, checkpointing: str | None, offload_optimizer: str | None,
+                     offload_param: str | None) -> list[int] | None:
+    """The options checked one by one (the first mistake raises); the stages as a list (None: not given)."""
+    stage_list = None if stage is None else ([stage] if isinstance(stage, int) else list(stage))
+    for name, v in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
+                    ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
+        _check_positive(name, v)
+    if optimizer_impl is not None and optimizer_impl not in OPTIMIZER_IMPLS:
+        raise InputError(f"--optimizer-impl {optimizer_impl!r} is unknown; expected one of {', '.join(OPTIMIZER_IMPLS)}")
+    for st in stage_list or []:
+        if isinstance(st, bool) or st not in (0, 1, 2, 3):
+            raise InputError(f"--stage {st} is not a ZeRO stage; expected 0, 1, 2 or 3")
+    if checkpointing is not None and checkpointing not in CHECKPOINTING:
+        raise InputError(f"--checkpointing {checkpointing!r} is unknown; expected none, selective or full")
+    for name, v in (("--offload-optimizer", offload_optimizer), ("--offload-param", offload_param)):
+        if v is not None and v not in OFFLOAD_DEVICES:
+            raise InputError(f"{name} {v!r} is unknown; expected one of none, cpu, nvme")
+    return stage_list
+
+
+def _cluster_shape(gpus: int | None, nodes: int | None, gpus_per_node: int | None, hw: HardwareProfile | None,
+                   assumptions: list[str]) -> tuple[int, int, int]:
+    """(GPUs, GPUs per node, nodes) from the options and the hardware profile."""
+    gpn = gpus_per_node or (hw.node.gpus_per_node if hw is not None else None)
+    if gpus is not None and nodes is not None:
+        gpn = gpn or max(1, gpus // nodes)
+        if gpus != nodes * gpn:
+            raise InputError(f"--gpus {gpus} does not equal --nodes {nodes} × {gpn} GPUs per node")
+        n_gpus = gpus
+    elif nodes is not None:
+        if gpn is None:
+            raise InputError("--nodes needs --gpus-per-node or a --hardware profile that says how many GPUs a node has")
+        n_gpus = nodes * gpn
+    elif gpus is not None:
+        n_gpus = gpus
+        if gpn is None:
+            gpn = gpus
+            assumptions.append(f"all {gpus} GPUs assumed in one node (give --gpus-per-node or --hardware)")
+        elif gpus > gpn and gpus % gpn:
+            raise InputError(f"--gpus {gpus} is not divisible by {gpn} GPUs per node; use whole nodes or set --gpus-per-node")
+    else:
+        n_gpus = gpn or 8
+        gpn = gpn or 8
+        assumptions.append(f"no --gpus/--nodes given: one node of {n_gpus} GPUs")
+    if n_gpus > MAX_GPUS:
+        raise InputError(f"{n_gpus:,} GPUs: zeroplan plans clusters of up to {MAX_GPUS:,} data-parallel GPUs "
+                         "(the stage-1/2 bucket ledger is linear in the GPU count)")
+    gpn = min(gpn, n_gpus)
+    n_nodes = -(-n_gpus // gpn)
+    return n_gpus, gpn, n_nodes
+
+
+def _from_metadata(meta: dict[str, Any], ds_config: str | None, seq_len: int | None, checkpointing: str | None,
+                   flash_attention: bool | None, assumptions: list[str]) -> tuple[int, str, bool]:
+    """Sequence length, checkpointing and flash attention: the option, else the config's ``zeroplan``
+    block (said in the assumptions), else the default."""
+    for name, flag, value in (("seq_len", "--seq-len", seq_len), ("checkpointing", "--checkpointing", checkpointing),
+                              ("flash_attention", "--flash-attention", flash_attention)):
+        if value is None and name in meta:
+            assumptions.append(f"{name.replace('_', ' ')} {meta[name]} from {ds_config}: {ZEROPLAN_KEY}.{name} "
+                               f"(give {flag} to override)")
+    seq_len = seq_len if seq_len is not None else meta.get("seq_len", DEFAULT_SEQ_LEN)
+    checkpointing = checkpointing if checkpointing is not None else meta.get("checkpointing", DEFAULT_CHECKPOINTING)
+    if flash_attention is None:
+        flash_attention = meta.get("flash_attention", DEFAULT_FLASH_ATTENTION)
+    return seq_len, checkpointing, flash_attention
+
+
+def _precision_and_optimizer(precision: str | None, optimizer: str | None, ds: DSConfig | None,
+                             ds_config: str | None, assumptions: list[str]) -> tuple[Any, str, Any]:
+    """(precision preset, where it came from, optimizer preset): the option, else the config's, else the default."""
+    if precision is not None:
+        prec = get_precision(precision)
+        prec_src = f"--precision {prec.name}"
+    elif ds is not None:
+        prec = get_precision(ds.precision)
+        prec_src = f"from {ds_config}: {ds.precision_source}"
+    else:
+        prec = get_precision("fp32")
+        prec_src = "default: fp32 (no --precision and no DeepSpeed config)"
+    if optimizer is not None:
+        opt = get_optimizer(optimizer)
+    elif ds is not None and ds.optimizer_type:
+        try:
+            opt = get_optimizer(ds.optimizer_type)
+        except InputError:
+            opt = get_optimizer("adamw")
+            assumptions.append(f"optimizer {ds.optimizer_type!r} from the DeepSpeed config is modelled as AdamW states")
+    else:
+        opt = get_optimizer("adamw")
+    return prec, prec_src, opt
+
+
+def _optimizer_step(optimizer_impl: str | None, ds: DSConfig | None, assumptions: list[str]) -> str:
+    """How the optimizer step runs: --optimizer-impl, else what the config implies."""
+    if optimizer_impl is not None:
+        impl = optimizer_impl
+        assumptions.append(f"optimizer step: {impl} (--optimizer-impl)")
+    else:
+        impl, why = optimizer_impl_from_config(ds)
+        assumptions.append(f"optimizer step: {impl} ({why})")
+    return impl
+
+
+def _training_setup(*, precision: str | None, optimizer: str | None, micro_batch: int | None, grad_accum: int | None,
+                    seq_len: int, checkpointing: str, flash_attention: bool, optimizer_impl: str | None,
+                    expandable_segments: bool, ds: DSConfig | None, ds_config: str | None,
+                    assumptions: list[str]) -> TrainingSetup:
+    """Precision, optimizer and batch shape: each option, else the DeepSpeed config's, else the default."""
+    prec, prec_src, opt = _precision_and_optimizer(precision, optimizer, ds, ds_config, assumptions)
+    mb = micro_batch or (ds.micro_batch if ds is not None and ds.micro_batch else None) or 1
+    gas = grad_accum or (ds.grad_accum if ds is not None and ds.grad_accum else None) or 1
+    impl = _optimizer_step(optimizer_impl, ds, assumptions)
+    acc = grad_accum_dtype_from_config(ds, ds_config or "DeepSpeed config")
+    assert acc is None or acc in GRAD_ACCUM_DTYPES
+    training = TrainingSetup(
+        precision=prec, precision_source=prec_src, optimizer=opt, micro_batch=mb, seq_len=seq_len,
+        grad_accum=gas, checkpointing=checkpointing, flash_attention=flash_attention,
+        optimizer_impl=impl, grad_accum_dtype=acc, expandable_segments=expandable_segments,
+    )
+    assumptions.append(f"precision {prec.name} ({prec_src})")
+    return training
+
+
+def _load_config(ds_config: str | None, *, strict: bool, spec: ModelSpec, precision: str | None,
+                 micro_batch: int | None, grad_accum: int | None, n_gpus: int) -> DSConfig | None:
+    """The DeepSpeed config read as DeepSpeed would see it on this cluster (None: no config)."""
+    ds = None
+    if ds_config is not None:
+        if precision is not None:
+            get_precision(precision)  # a bad --precision is the option's mistake, not the file's
+        ds = load_ds_config(ds_config, strict=strict, hidden_size=spec.hidden_size, micro_batch=micro_batch,
+                            grad_accum=grad_accum, world_size=n_gpus, precision=precision)
+    return ds
+
+
+def _stages(stage_list: list[int] | None, ds: DSConfig | None) -> list[int]:
+    """The stages to plan: those given, else the config's, else all four."""
+    if stage_list:
+        stages = sorted(set(stage_list))
+    elif ds is not None:
+        stages = [ds.zero.stage]
+    else:
+        stages = [0, 1, 2, 3]
+    return stages
+
+
 def build_plan_inputs(
     *,
     model: str | None = None,
@@ -158,20 +307,10 @@ def build_plan_inputs(
         ft_opts.from_file = tf.finetune
     if model is None:
         raise InputError("--model is needed (or a training file that names the base model)")
-    stage_list = None if stage is None else ([stage] if isinstance(stage, int) else list(stage))
-    for name, v in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
-                    ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
-        _check_positive(name, v)
-    if optimizer_impl is not None and optimizer_impl not in OPTIMIZER_IMPLS:
-        raise InputError(f"--optimizer-impl {optimizer_impl!r} is unknown; expected one of {', '.join(OPTIMIZER_IMPLS)}")
-    for st in stage_list or []:
-        if isinstance(st, bool) or st not in (0, 1, 2, 3):
-            raise InputError(f"--stage {st} is not a ZeRO stage; expected 0, 1, 2 or 3")
-    if checkpointing is not None and checkpointing not in CHECKPOINTING:
-        raise InputError(f"--checkpointing {checkpointing!r} is unknown; expected none, selective or full")
-    for name, v in (("--offload-optimizer", offload_optimizer), ("--offload-param", offload_param)):
-        if v is not None and v not in OFFLOAD_DEVICES:
-            raise InputError(f"{name} {v!r} is unknown; expected one of none, cpu, nvme")
+    stage_list = _checked_options(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=micro_batch,
+                                  seq_len=seq_len, grad_accum=grad_accum, optimizer_impl=optimizer_impl, stage=stage,
+                                  checkpointing=checkpointing, offload_optimizer=offload_optimizer,
+                                  offload_param=offload_param)
 
     spec = load_model(model)
     hw = None
@@ -179,99 +318,25 @@ def build_plan_inputs(
         hw = load_profile(hardware)
     assumptions: list[str] = []
 
-    # ---- cluster shape ----
-    gpn = gpus_per_node or (hw.node.gpus_per_node if hw is not None else None)
-    if gpus is not None and nodes is not None:
-        gpn = gpn or max(1, gpus // nodes)
-        if gpus != nodes * gpn:
-            raise InputError(f"--gpus {gpus} does not equal --nodes {nodes} × {gpn} GPUs per node")
-        n_gpus = gpus
-    elif nodes is not None:
-        if gpn is None:
-            raise InputError("--nodes needs --gpus-per-node or a --hardware profile that says how many GPUs a node has")
-        n_gpus = nodes * gpn
-    elif gpus is not None:
-        n_gpus = gpus
-        if gpn is None:
-            gpn = gpus
-            assumptions.append(f"all {gpus} GPUs assumed in one node (give --gpus-per-node or --hardware)")
-        elif gpus > gpn and gpus % gpn:
-            raise InputError(f"--gpus {gpus} is not divisible by {gpn} GPUs per node; use whole nodes or set --gpus-per-node")
-    else:
-        n_gpus = gpn or 8
-        gpn = gpn or 8
-        assumptions.append(f"no --gpus/--nodes given: one node of {n_gpus} GPUs")
-    if n_gpus > MAX_GPUS:
-        raise InputError(f"{n_gpus:,} GPUs: zeroplan plans clusters of up to {MAX_GPUS:,} data-parallel GPUs "
-                         "(the stage-1/2 bucket ledger is linear in the GPU count)")
-    gpn = min(gpn, n_gpus)
-    n_nodes = -(-n_gpus // gpn)
+    n_gpus, gpn, n_nodes = _cluster_shape(gpus, nodes, gpus_per_node, hw, assumptions)
 
-    # ---- DeepSpeed config ----
-    ds = None
-    if ds_config is not None:
-        if precision is not None:
-            get_precision(precision)  # a bad --precision is the option's mistake, not the file's
-        ds = load_ds_config(ds_config, strict=strict, hidden_size=spec.hidden_size, micro_batch=micro_batch,
-                            grad_accum=grad_accum, world_size=n_gpus, precision=precision)
+    ds = _load_config(ds_config, strict=strict, spec=spec, precision=precision, micro_batch=micro_batch,
+                      grad_accum=grad_accum, n_gpus=n_gpus)
     meta = planning_metadata(ds) if ds is not None else {}
-    for name, flag, value in (("seq_len", "--seq-len", seq_len), ("checkpointing", "--checkpointing", checkpointing),
-                              ("flash_attention", "--flash-attention", flash_attention)):
-        if value is None and name in meta:
-            assumptions.append(f"{name.replace('_', ' ')} {meta[name]} from {ds_config}: {ZEROPLAN_KEY}.{name} "
-                               f"(give {flag} to override)")
-    seq_len = seq_len if seq_len is not None else meta.get("seq_len", DEFAULT_SEQ_LEN)
-    checkpointing = checkpointing if checkpointing is not None else meta.get("checkpointing", DEFAULT_CHECKPOINTING)
-    if flash_attention is None:
-        flash_attention = meta.get("flash_attention", DEFAULT_FLASH_ATTENTION)
+    seq_len, checkpointing, flash_attention = _from_metadata(meta, ds_config, seq_len, checkpointing, flash_attention,
+                                                            assumptions)
 
-    # ---- precision / optimizer / batch ----
-    if precision is not None:
-        prec = get_precision(precision)
-        prec_src = f"--precision {prec.name}"
-    elif ds is not None:
-        prec = get_precision(ds.precision)
-        prec_src = f"from {ds_config}: {ds.precision_source}"
-    else:
-        prec = get_precision("fp32")
-        prec_src = "default: fp32 (no --precision and no DeepSpeed config)"
-    if optimizer is not None:
-        opt = get_optimizer(optimizer)
-    elif ds is not None and ds.optimizer_type:
-        try:
-            opt = get_optimizer(ds.optimizer_type)
-        except InputError:
-            opt = get_optimizer("adamw")
-            assumptions.append(f"optimizer {ds.optimizer_type!r} from the DeepSpeed config is modelled as AdamW states")
-    else:
-        opt = get_optimizer("adamw")
-    mb = micro_batch or (ds.micro_batch if ds is not None and ds.micro_batch else None) or 1
-    gas = grad_accum or (ds.grad_accum if ds is not None and ds.grad_accum else None) or 1
-    if optimizer_impl is not None:
-        impl = optimizer_impl
-        assumptions.append(f"optimizer step: {impl} (--optimizer-impl)")
-    else:
-        impl, why = optimizer_impl_from_config(ds)
-        assumptions.append(f"optimizer step: {impl} ({why})")
-    acc = grad_accum_dtype_from_config(ds, ds_config or "DeepSpeed config")
-    assert acc is None or acc in GRAD_ACCUM_DTYPES
-    training = TrainingSetup(
-        precision=prec, precision_source=prec_src, optimizer=opt, micro_batch=mb, seq_len=seq_len,
-        grad_accum=gas, checkpointing=checkpointing, flash_attention=flash_attention,
-        optimizer_impl=impl, grad_accum_dtype=acc, expandable_segments=expandable_segments,
-    )
-    assumptions.append(f"precision {prec.name} ({prec_src})")
+    training = _training_setup(precision=precision, optimizer=optimizer, micro_batch=micro_batch,
+                               grad_accum=grad_accum, seq_len=seq_len, checkpointing=checkpointing,
+                               flash_attention=flash_attention, optimizer_impl=optimizer_impl,
+                               expandable_segments=expandable_segments, ds=ds, ds_config=ds_config,
+                               assumptions=assumptions)
 
-    if stage_list:
-        stages = sorted(set(stage_list))
-    elif ds is not None:
-        stages = [ds.zero.stage]
-    else:
-        stages = [0, 1, 2, 3]
+    stages = _stages(stage_list, ds)
     if spec.approximate:
         assumptions.extend(spec.notes)
     file_notes += fill_from_record(ft_opts, meta.get("finetune"), str(ds_config))
-    views, stages = resolve_finetune(spec, ft_opts, prec.name, stages,
+    views, stages = resolve_finetune(spec, ft_opts, training.precision.name, stages,
                                      stage_explicit=bool(stage_list) or ds is not None)
     if not stages:
         raise InputError(f"no ZeRO stage can run this fine-tuning: {'; '.join(ft_opts.notes)}")

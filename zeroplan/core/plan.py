@@ -16,7 +16,7 @@ from zeroplan.core.finetune import FineTuneViews, ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.specs.finetune import FineTuneInventory
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
-from zeroplan.core.layout import build_layout
+from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
 from zeroplan.specs.deepspeed_config import ZeroConfig, zero_or_default
@@ -83,15 +83,8 @@ def evaluate(
     nodes = -(-n_gpus // gpus_per_node)
     zero = zero_or_default(zero)
     stage = int(zero.stage)
-    def _layout(spec: ModelSpec):
-        return build_layout(
-            spec, n_gpus,
-            persistence_threshold=int(zero.param_persistence_threshold) if stage == 3 else 0,
-            model_persistence_threshold=zero.model_persistence_threshold,
-        )
-
-    layout = _layout(model if finetune is None else finetune.full)
-    train_layout = None if finetune is None else _layout(finetune.trainable)
+    layout = zero_layout(model if finetune is None else finetune.full, n_gpus, zero)
+    train_layout = None if finetune is None else zero_layout(finetune.trainable, n_gpus, zero)
     overhead = hardware.overhead.model_dump() if hardware is not None else None
     mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout,
                            flavour=comm_model, finetune=finetune, train_layout=train_layout)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from zeroplan.advice.recommend_models import BUCKET_SIZES, CKPT_ORDER, PREFETCH_SMALL, Candidate, candidate_zero
 from zeroplan.advice.recommend_sweep import _Family, _State, _Sweep
-from zeroplan.core.layout import build_layout
+from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import memory_for_stage
 
 __all__ = ["Limits", "SearchResult", "search_grid", "micro_batches", "checkpointings", "search", "nodes_needed"]
@@ -163,9 +163,7 @@ def nodes_needed(inp: Any, base_zeros: dict[int, Any], stage: int, *, usable_gpu
 
     def fits(nodes: int) -> bool:
         n = nodes * gpn
-        lay = build_layout(inp.spec if inp.finetune is None else inp.finetune.full, n,
-                           persistence_threshold=int(zero.param_persistence_threshold) if stage == 3 else 0,
-                           model_persistence_threshold=zero.model_persistence_threshold)
+        lay = zero_layout(inp.spec if inp.finetune is None else inp.finetune.full, n, zero)
         mem = memory_for_stage(inp.spec, training, zero, n, gpus_per_node=gpn, overhead=overhead, layout=lay,
                                flavour=comm_model, finetune=inp.finetune)
         return mem.peak <= usable_gpu and mem.host.per_node_bytes <= usable_host

@@ -28,7 +28,7 @@ local and the cross-node all-to-all groups (``_get_local_all_to_all_group``).
 
 from __future__ import annotations
 
-from typing import Any
+from zeroplan.specs.deepspeed_config import ZeroConfig
 
 __all__ = ["MIB", "communicators", "reserved_bytes", "round_block", "round_segment"]
 
@@ -47,15 +47,15 @@ def round_segment(n: int) -> int:
     return -(-n // _ROUND_LARGE) * _ROUND_LARGE if n > 0 else 0
 
 
-def communicators(zero: Any, stage: int, n_gpus: int = 2) -> int:
+def communicators(zero: ZeroConfig, stage: int, n_gpus: int = 2) -> int:
     """NCCL communicators one rank of a DeepSpeed ZeRO data-parallel job creates (a one-rank
     job creates communicators without peers: no channel buffers, counted as none)."""
     if n_gpus <= 1:
         return 0
     n = 2  # world + ZeRO's cloned world group (groups._clone_world_group)
-    if stage == 3 and int(getattr(zero, "zero_hpz_partition_size", 1) or 1) > 1:
+    if stage == 3 and int(zero.zero_hpz_partition_size) > 1:
         n += 1
-    if stage == 3 and bool(getattr(zero, "zero_quantized_gradients", False)):
+    if stage == 3 and bool(zero.zero_quantized_gradients):
         n += 2
     return n
 

@@ -17,11 +17,10 @@ What stays pinned (``offload_optimizer.pin_memory``, default true):
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, Field
 
 from zeroplan.core.layout import Layout
+from zeroplan.specs.deepspeed_config import ZeroConfig
 from zeroplan.specs.training import TrainingSetup
 
 __all__ = ["HostMemory", "host_memory", "pinned_block"]
@@ -39,16 +38,16 @@ class HostMemory(BaseModel):
     pinned: list[str] = Field(default_factory=list)  # which detail entries are pinned
 
 
+# DeepSpeed's defaults, read where a swap buffer count or size of 0 falls back to them
+_DEFAULTS = ZeroConfig()
+
+
 def pinned_block(n: int) -> int:
     """Bytes the caching host allocator reserves for a pinned request of ``n`` bytes."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    return getattr(obj, name, default) if obj is not None else default
-
-
-def host_memory(layout: Layout, training: TrainingSetup, zero: Any, stage: int, *, off_opt: str, off_par: str,
+def host_memory(layout: Layout, training: TrainingSetup, zero: ZeroConfig, stage: int, *, off_opt: str, off_par: str,
                 gpus_per_node: int, master_bytes: int, grad_bytes: int) -> HostMemory:
     """Host RAM (pinned and pageable) and NVMe per rank and per node for the plan's offload."""
     host = HostMemory()
@@ -56,7 +55,7 @@ def host_memory(layout: Layout, training: TrainingSetup, zero: Any, stage: int, 
     pageable: set[str] = set()
     b_g = grad_bytes
     part = layout.partition_12 if stage in (1, 2) else layout.partition_3
-    opt_pin = bool(_get(_get(zero, "offload_optimizer"), "pin_memory", True))
+    opt_pin = bool(zero.offload_optimizer.pin_memory)
     if off_opt != "none":
         d = host.detail
         d["fp32_master_partition"] = master_bytes * part
@@ -76,22 +75,22 @@ def host_memory(layout: Layout, training: TrainingSetup, zero: Any, stage: int, 
             host.nvme_per_node_bytes = gpus_per_node * (d.pop("optimizer_states") + d.pop("fp32_master_partition")
                                                         + d.pop("fp32_gradient_partition"))
             pageable.discard("optimizer_states")
-            bc = int(_get(_get(zero, "offload_optimizer"), "buffer_count", 4) or 4)
-            sub = max(layout.sub_groups_3(int(_get(zero, "sub_group_size", 1_000_000_000)))) if stage == 3 else part
+            bc = int(zero.offload_optimizer.buffer_count or _DEFAULTS.offload_optimizer.buffer_count)
+            sub = max(layout.sub_groups_3(int(zero.sub_group_size))) if stage == 3 else part
             d["nvme_swap_buffers"] = bc * 4 * sub
             if opt_pin:
                 pinned.add("nvme_swap_buffers")
     if off_par != "none":
         b_p = training.precision.param_bytes
-        par_pin = bool(_get(_get(zero, "offload_param"), "pin_memory", True))
+        par_pin = bool(zero.offload_param.pin_memory)
         if off_par == "cpu":
             host.detail["param_partition"] = b_p * layout.partition_3
             if par_pin:
                 pinned.add("param_partition")
         else:
             host.nvme_per_node_bytes += gpus_per_node * b_p * layout.partition_3
-            bc = int(_get(_get(zero, "offload_param"), "buffer_count", 5) or 5)
-            bs = int(_get(_get(zero, "offload_param"), "buffer_size", 100_000_000) or 100_000_000)
+            bc = int(zero.offload_param.buffer_count or _DEFAULTS.offload_param.buffer_count)
+            bs = int(zero.offload_param.buffer_size or _DEFAULTS.offload_param.buffer_size)
             host.detail["param_nvme_buffers"] = bc * bs * b_p
             if par_pin:
                 pinned.add("param_nvme_buffers")

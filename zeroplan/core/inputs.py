@@ -7,18 +7,26 @@ InputError naming the option or file, the value and what was expected.
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from zeroplan._util import InputError, read_text_file
+from zeroplan._util import InputError
+from zeroplan.core.ds_config_inputs import (  # noqa: F401
+    _FALLBACK,
+    _META_CHECKS,
+    CHECKPOINTING,
+    _where,
+    annotate_ds_config,
+    grad_accum_dtype_from_config,
+    optimizer_impl_from_config,
+    planning_metadata,
+    refuse_ds_errors,
+)
 from zeroplan.core.finetune import FineTuneViews
 from zeroplan.core.finetune_inputs import (
     FineTuneOptions, fill_from_file, fill_from_record, read_training_files, resolve_finetune,
 )
 from zeroplan.specs.deepspeed_config import (
-    DEEPSPEED_VERSION,
     ZEROPLAN_KEY,
     DSConfig,
     OffloadOptimizerConfig,
@@ -26,7 +34,6 @@ from zeroplan.specs.deepspeed_config import (
     ZeroConfig,
     load_ds_config,
 )
-from zeroplan.specs.config_lines import find_key_line, key_lines
 from zeroplan.specs.hardware import HardwareProfile, load_profile
 from zeroplan.specs.model import ModelSpec, load_model
 from zeroplan.specs.training import GRAD_ACCUM_DTYPES, OPTIMIZER_IMPLS, TrainingSetup, get_optimizer, get_precision
@@ -39,7 +46,6 @@ __all__ = [
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 MAX_GPUS = 2**17  # 131,072 data-parallel GPUs: beyond any ZeRO job; keeps a plan well under a second
-CHECKPOINTING = ("none", "selective", "full")
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_CHECKPOINTING = "none"
 DEFAULT_FLASH_ATTENTION = True
@@ -88,47 +94,158 @@ def zero_for_stage(inp: PlanInputs, stage: int) -> ZeroConfig:
     return zero
 
 
-def optimizer_impl_from_config(ds: DSConfig | None) -> tuple[str, str]:
-    """(impl, why): how DeepSpeed 0.19.8 runs Adam for this config on CUDA.
-
-    engine.py ``_configure_basic_optimizer`` / ``get_optimizer_configuration``: an ``optimizer``
-    block gives DeepSpeedCPUAdam with optimizer offload, torch.optim.Adam/AdamW with
-    ``torch_adam: true`` (``foreach`` from the block, torch's default otherwise: foreach on CUDA),
-    else FusedAdam. No block: the client's optimizer (the HF Trainer's torch AdamW, foreach).
-    """
-    if ds is None:
-        return "fused-adam", "default: DeepSpeed's FusedAdam (no DeepSpeed config; give --optimizer-impl)"
-    if ds.zero.optimizer_offload_device != "none":
-        return "cpu-adam", "optimizer offload: DeepSpeedCPUAdam steps on the host"
-    block = ds.raw.get("optimizer")
-    if isinstance(block, dict):
-        params = block.get("params") if isinstance(block.get("params"), dict) else {}
-        if params.get("torch_adam") is True:
-            if params.get("foreach") is False:
-                return "torch-single", "optimizer.params.torch_adam with foreach false: torch Adam, one tensor at a time"
-            return "torch-foreach", "optimizer.params.torch_adam: torch Adam (foreach on CUDA)"
-        return "fused-adam", f"optimizer block {block.get('type')!r}: DeepSpeed FusedAdam on CUDA"
-    return "torch-foreach", "no optimizer block: the client's optimizer (torch AdamW, foreach on CUDA) is assumed"
-
-
-def grad_accum_dtype_from_config(ds: DSConfig | None, where: str) -> str | None:
-    """``data_types.grad_accum_dtype`` as fp32/bf16/fp16, or None (the model dtype)."""
-    if ds is None:
-        return None
-    dt = ds.raw.get("data_types")
-    val = dt.get("grad_accum_dtype") if isinstance(dt, dict) else None
-    if val is None:
-        return None
-    key = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "bfloat16": "bf16", "bf16": "bf16",
-           "float16": "fp16", "fp16": "fp16", "half": "fp16"}.get(str(val).lower())
-    if key is None:
-        raise InputError(f"{where}: data_types.grad_accum_dtype = {val!r}: expected fp32, bf16 or fp16")
-    return key
-
-
 def _check_positive(name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise InputError(f"{name} must be a positive integer, got {value}")
+
+
+def _checked_options(*, gpus: int | None, nodes: int | None, gpus_per_node: int | None, micro_batch: int | None,
+                     seq_len: int | None, grad_accum: int | None, optimizer_impl: str | None,
+                     stage: int | list[int] | None, checkpointing: str | None, offload_optimizer: str | None,
+                     offload_param: str | None) -> list[int] | None:
+    """The options checked one by one (the first mistake raises); the stages as a list (None: not given)."""
+    stage_list = None if stage is None else ([stage] if isinstance(stage, int) else list(stage))
+    for name, v in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
+                    ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
+        _check_positive(name, v)
+    if optimizer_impl is not None and optimizer_impl not in OPTIMIZER_IMPLS:
+        raise InputError(f"--optimizer-impl {optimizer_impl!r} is unknown; expected one of {', '.join(OPTIMIZER_IMPLS)}")
+    for st in stage_list or []:
+        if isinstance(st, bool) or st not in (0, 1, 2, 3):
+            raise InputError(f"--stage {st} is not a ZeRO stage; expected 0, 1, 2 or 3")
+    if checkpointing is not None and checkpointing not in CHECKPOINTING:
+        raise InputError(f"--checkpointing {checkpointing!r} is unknown; expected none, selective or full")
+    for name, v in (("--offload-optimizer", offload_optimizer), ("--offload-param", offload_param)):
+        if v is not None and v not in OFFLOAD_DEVICES:
+            raise InputError(f"{name} {v!r} is unknown; expected one of none, cpu, nvme")
+    return stage_list
+
+
+def _cluster_shape(gpus: int | None, nodes: int | None, gpus_per_node: int | None, hw: HardwareProfile | None,
+                   assumptions: list[str]) -> tuple[int, int, int]:
+    """(GPUs, GPUs per node, nodes) from the options and the hardware profile."""
+    gpn = gpus_per_node or (hw.node.gpus_per_node if hw is not None else None)
+    if gpus is not None and nodes is not None:
+        gpn = gpn or max(1, gpus // nodes)
+        if gpus != nodes * gpn:
+            raise InputError(f"--gpus {gpus} does not equal --nodes {nodes} × {gpn} GPUs per node")
+        n_gpus = gpus
+    elif nodes is not None:
+        if gpn is None:
+            raise InputError("--nodes needs --gpus-per-node or a --hardware profile that says how many GPUs a node has")
+        n_gpus = nodes * gpn
+    elif gpus is not None:
+        n_gpus = gpus
+        if gpn is None:
+            gpn = gpus
+            assumptions.append(f"all {gpus} GPUs assumed in one node (give --gpus-per-node or --hardware)")
+        elif gpus > gpn and gpus % gpn:
+            raise InputError(f"--gpus {gpus} is not divisible by {gpn} GPUs per node; use whole nodes or set --gpus-per-node")
+    else:
+        n_gpus = gpn or 8
+        gpn = gpn or 8
+        assumptions.append(f"no --gpus/--nodes given: one node of {n_gpus} GPUs")
+    if n_gpus > MAX_GPUS:
+        raise InputError(f"{n_gpus:,} GPUs: zeroplan plans clusters of up to {MAX_GPUS:,} data-parallel GPUs "
+                         "(the stage-1/2 bucket ledger is linear in the GPU count)")
+    gpn = min(gpn, n_gpus)
+    n_nodes = -(-n_gpus // gpn)
+    return n_gpus, gpn, n_nodes
+
+
+def _from_metadata(meta: dict[str, Any], ds_config: str | None, seq_len: int | None, checkpointing: str | None,
+                   flash_attention: bool | None, assumptions: list[str]) -> tuple[int, str, bool]:
+    """Sequence length, checkpointing and flash attention: the option, else the config's ``zeroplan``
+    block (said in the assumptions), else the default."""
+    for name, flag, value in (("seq_len", "--seq-len", seq_len), ("checkpointing", "--checkpointing", checkpointing),
+                              ("flash_attention", "--flash-attention", flash_attention)):
+        if value is None and name in meta:
+            assumptions.append(f"{name.replace('_', ' ')} {meta[name]} from {ds_config}: {ZEROPLAN_KEY}.{name} "
+                               f"(give {flag} to override)")
+    seq_len = seq_len if seq_len is not None else meta.get("seq_len", DEFAULT_SEQ_LEN)
+    checkpointing = checkpointing if checkpointing is not None else meta.get("checkpointing", DEFAULT_CHECKPOINTING)
+    if flash_attention is None:
+        flash_attention = meta.get("flash_attention", DEFAULT_FLASH_ATTENTION)
+    return seq_len, checkpointing, flash_attention
+
+
+def _precision_and_optimizer(precision: str | None, optimizer: str | None, ds: DSConfig | None,
+                             ds_config: str | None, assumptions: list[str]) -> tuple[Any, str, Any]:
+    """(precision preset, where it came from, optimizer preset): the option, else the config's, else the default."""
+    if precision is not None:
+        prec = get_precision(precision)
+        prec_src = f"--precision {prec.name}"
+    elif ds is not None:
+        prec = get_precision(ds.precision)
+        prec_src = f"from {ds_config}: {ds.precision_source}"
+    else:
+        prec = get_precision("fp32")
+        prec_src = "default: fp32 (no --precision and no DeepSpeed config)"
+    if optimizer is not None:
+        opt = get_optimizer(optimizer)
+    elif ds is not None and ds.optimizer_type:
+        try:
+            opt = get_optimizer(ds.optimizer_type)
+        except InputError:
+            opt = get_optimizer("adamw")
+            assumptions.append(f"optimizer {ds.optimizer_type!r} from the DeepSpeed config is modelled as AdamW states")
+    else:
+        opt = get_optimizer("adamw")
+    return prec, prec_src, opt
+
+
+def _optimizer_step(optimizer_impl: str | None, ds: DSConfig | None, assumptions: list[str]) -> str:
+    """How the optimizer step runs: --optimizer-impl, else what the config implies."""
+    if optimizer_impl is not None:
+        impl = optimizer_impl
+        assumptions.append(f"optimizer step: {impl} (--optimizer-impl)")
+    else:
+        impl, why = optimizer_impl_from_config(ds)
+        assumptions.append(f"optimizer step: {impl} ({why})")
+    return impl
+
+
+def _training_setup(*, precision: str | None, optimizer: str | None, micro_batch: int | None, grad_accum: int | None,
+                    seq_len: int, checkpointing: str, flash_attention: bool, optimizer_impl: str | None,
+                    expandable_segments: bool, ds: DSConfig | None, ds_config: str | None,
+                    assumptions: list[str]) -> TrainingSetup:
+    """Precision, optimizer and batch shape: each option, else the DeepSpeed config's, else the default."""
+    prec, prec_src, opt = _precision_and_optimizer(precision, optimizer, ds, ds_config, assumptions)
+    mb = micro_batch or (ds.micro_batch if ds is not None and ds.micro_batch else None) or 1
+    gas = grad_accum or (ds.grad_accum if ds is not None and ds.grad_accum else None) or 1
+    impl = _optimizer_step(optimizer_impl, ds, assumptions)
+    acc = grad_accum_dtype_from_config(ds, ds_config or "DeepSpeed config")
+    assert acc is None or acc in GRAD_ACCUM_DTYPES
+    training = TrainingSetup(
+        precision=prec, precision_source=prec_src, optimizer=opt, micro_batch=mb, seq_len=seq_len,
+        grad_accum=gas, checkpointing=checkpointing, flash_attention=flash_attention,
+        optimizer_impl=impl, grad_accum_dtype=acc, expandable_segments=expandable_segments,
+    )
+    assumptions.append(f"precision {prec.name} ({prec_src})")
+    return training
+
+
+def _load_config(ds_config: str | None, *, strict: bool, spec: ModelSpec, precision: str | None,
+                 micro_batch: int | None, grad_accum: int | None, n_gpus: int) -> DSConfig | None:
+    """The DeepSpeed config read as DeepSpeed would see it on this cluster (None: no config)."""
+    ds = None
+    if ds_config is not None:
+        if precision is not None:
+            get_precision(precision)  # a bad --precision is the option's mistake, not the file's
+        ds = load_ds_config(ds_config, strict=strict, hidden_size=spec.hidden_size, micro_batch=micro_batch,
+                            grad_accum=grad_accum, world_size=n_gpus, precision=precision)
+    return ds
+
+
+def _stages(stage_list: list[int] | None, ds: DSConfig | None) -> list[int]:
+    """The stages to plan: those given, else the config's, else all four."""
+    if stage_list:
+        stages = sorted(set(stage_list))
+    elif ds is not None:
+        stages = [ds.zero.stage]
+    else:
+        stages = [0, 1, 2, 3]
+    return stages
 
 
 def build_plan_inputs(
@@ -190,20 +307,10 @@ def build_plan_inputs(
         ft_opts.from_file = tf.finetune
     if model is None:
         raise InputError("--model is needed (or a training file that names the base model)")
-    stage_list = None if stage is None else ([stage] if isinstance(stage, int) else list(stage))
-    for name, v in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
-                    ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
-        _check_positive(name, v)
-    if optimizer_impl is not None and optimizer_impl not in OPTIMIZER_IMPLS:
-        raise InputError(f"--optimizer-impl {optimizer_impl!r} is unknown; expected one of {', '.join(OPTIMIZER_IMPLS)}")
-    for st in stage_list or []:
-        if isinstance(st, bool) or st not in (0, 1, 2, 3):
-            raise InputError(f"--stage {st} is not a ZeRO stage; expected 0, 1, 2 or 3")
-    if checkpointing is not None and checkpointing not in CHECKPOINTING:
-        raise InputError(f"--checkpointing {checkpointing!r} is unknown; expected none, selective or full")
-    for name, v in (("--offload-optimizer", offload_optimizer), ("--offload-param", offload_param)):
-        if v is not None and v not in OFFLOAD_DEVICES:
-            raise InputError(f"{name} {v!r} is unknown; expected one of none, cpu, nvme")
+    stage_list = _checked_options(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=micro_batch,
+                                  seq_len=seq_len, grad_accum=grad_accum, optimizer_impl=optimizer_impl, stage=stage,
+                                  checkpointing=checkpointing, offload_optimizer=offload_optimizer,
+                                  offload_param=offload_param)
 
     spec = load_model(model)
     hw = None
@@ -211,99 +318,25 @@ def build_plan_inputs(
         hw = load_profile(hardware)
     assumptions: list[str] = []
 
-    # ---- cluster shape ----
-    gpn = gpus_per_node or (hw.node.gpus_per_node if hw is not None else None)
-    if gpus is not None and nodes is not None:
-        gpn = gpn or max(1, gpus // nodes)
-        if gpus != nodes * gpn:
-            raise InputError(f"--gpus {gpus} does not equal --nodes {nodes} × {gpn} GPUs per node")
-        n_gpus = gpus
-    elif nodes is not None:
-        if gpn is None:
-            raise InputError("--nodes needs --gpus-per-node or a --hardware profile that says how many GPUs a node has")
-        n_gpus = nodes * gpn
-    elif gpus is not None:
-        n_gpus = gpus
-        if gpn is None:
-            gpn = gpus
-            assumptions.append(f"all {gpus} GPUs assumed in one node (give --gpus-per-node or --hardware)")
-        elif gpus > gpn and gpus % gpn:
-            raise InputError(f"--gpus {gpus} is not divisible by {gpn} GPUs per node; use whole nodes or set --gpus-per-node")
-    else:
-        n_gpus = gpn or 8
-        gpn = gpn or 8
-        assumptions.append(f"no --gpus/--nodes given: one node of {n_gpus} GPUs")
-    if n_gpus > MAX_GPUS:
-        raise InputError(f"{n_gpus:,} GPUs: zeroplan plans clusters of up to {MAX_GPUS:,} data-parallel GPUs "
-                         "(the stage-1/2 bucket ledger is linear in the GPU count)")
-    gpn = min(gpn, n_gpus)
-    n_nodes = -(-n_gpus // gpn)
+    n_gpus, gpn, n_nodes = _cluster_shape(gpus, nodes, gpus_per_node, hw, assumptions)
 
-    # ---- DeepSpeed config ----
-    ds = None
-    if ds_config is not None:
-        if precision is not None:
-            get_precision(precision)  # a bad --precision is the option's mistake, not the file's
-        ds = load_ds_config(ds_config, strict=strict, hidden_size=spec.hidden_size, micro_batch=micro_batch,
-                            grad_accum=grad_accum, world_size=n_gpus, precision=precision)
+    ds = _load_config(ds_config, strict=strict, spec=spec, precision=precision, micro_batch=micro_batch,
+                      grad_accum=grad_accum, n_gpus=n_gpus)
     meta = planning_metadata(ds) if ds is not None else {}
-    for name, flag, value in (("seq_len", "--seq-len", seq_len), ("checkpointing", "--checkpointing", checkpointing),
-                              ("flash_attention", "--flash-attention", flash_attention)):
-        if value is None and name in meta:
-            assumptions.append(f"{name.replace('_', ' ')} {meta[name]} from {ds_config}: {ZEROPLAN_KEY}.{name} "
-                               f"(give {flag} to override)")
-    seq_len = seq_len if seq_len is not None else meta.get("seq_len", DEFAULT_SEQ_LEN)
-    checkpointing = checkpointing if checkpointing is not None else meta.get("checkpointing", DEFAULT_CHECKPOINTING)
-    if flash_attention is None:
-        flash_attention = meta.get("flash_attention", DEFAULT_FLASH_ATTENTION)
+    seq_len, checkpointing, flash_attention = _from_metadata(meta, ds_config, seq_len, checkpointing, flash_attention,
+                                                            assumptions)
 
-    # ---- precision / optimizer / batch ----
-    if precision is not None:
-        prec = get_precision(precision)
-        prec_src = f"--precision {prec.name}"
-    elif ds is not None:
-        prec = get_precision(ds.precision)
-        prec_src = f"from {ds_config}: {ds.precision_source}"
-    else:
-        prec = get_precision("fp32")
-        prec_src = "default: fp32 (no --precision and no DeepSpeed config)"
-    if optimizer is not None:
-        opt = get_optimizer(optimizer)
-    elif ds is not None and ds.optimizer_type:
-        try:
-            opt = get_optimizer(ds.optimizer_type)
-        except InputError:
-            opt = get_optimizer("adamw")
-            assumptions.append(f"optimizer {ds.optimizer_type!r} from the DeepSpeed config is modelled as AdamW states")
-    else:
-        opt = get_optimizer("adamw")
-    mb = micro_batch or (ds.micro_batch if ds is not None and ds.micro_batch else None) or 1
-    gas = grad_accum or (ds.grad_accum if ds is not None and ds.grad_accum else None) or 1
-    if optimizer_impl is not None:
-        impl = optimizer_impl
-        assumptions.append(f"optimizer step: {impl} (--optimizer-impl)")
-    else:
-        impl, why = optimizer_impl_from_config(ds)
-        assumptions.append(f"optimizer step: {impl} ({why})")
-    acc = grad_accum_dtype_from_config(ds, ds_config or "DeepSpeed config")
-    assert acc is None or acc in GRAD_ACCUM_DTYPES
-    training = TrainingSetup(
-        precision=prec, precision_source=prec_src, optimizer=opt, micro_batch=mb, seq_len=seq_len,
-        grad_accum=gas, checkpointing=checkpointing, flash_attention=flash_attention,
-        optimizer_impl=impl, grad_accum_dtype=acc, expandable_segments=expandable_segments,
-    )
-    assumptions.append(f"precision {prec.name} ({prec_src})")
+    training = _training_setup(precision=precision, optimizer=optimizer, micro_batch=micro_batch,
+                               grad_accum=grad_accum, seq_len=seq_len, checkpointing=checkpointing,
+                               flash_attention=flash_attention, optimizer_impl=optimizer_impl,
+                               expandable_segments=expandable_segments, ds=ds, ds_config=ds_config,
+                               assumptions=assumptions)
 
-    if stage_list:
-        stages = sorted(set(stage_list))
-    elif ds is not None:
-        stages = [ds.zero.stage]
-    else:
-        stages = [0, 1, 2, 3]
+    stages = _stages(stage_list, ds)
     if spec.approximate:
         assumptions.extend(spec.notes)
     file_notes += fill_from_record(ft_opts, meta.get("finetune"), str(ds_config))
-    views, stages = resolve_finetune(spec, ft_opts, prec.name, stages,
+    views, stages = resolve_finetune(spec, ft_opts, training.precision.name, stages,
                                      stage_explicit=bool(stage_list) or ds is not None)
     if not stages:
         raise InputError(f"no ZeRO stage can run this fine-tuning: {'; '.join(ft_opts.notes)}")
@@ -313,92 +346,3 @@ def build_plan_inputs(
         stages=stages, offload_optimizer=offload_optimizer, offload_param=offload_param, assumptions=assumptions,
         finetune=views,
     )
-
-
-# ------------------------------------------------------------------ the config's zeroplan block
-# DeepSpeed 0.19.8 ignores top-level keys it does not know (DeepSpeedConfig._initialize_params
-# reads known keys with get_scalar_param and never rejects extras; tests/test_cli_options.py
-# constructs DeepSpeedConfig on an emitted file to prove it). zeroplan stores there what it
-# assumed and DeepSpeed cannot express: sequence length, checkpointing, flash attention.
-
-_META_CHECKS = {
-    "seq_len": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 10**8),
-    "checkpointing": ("none, selective or full", lambda v: v in CHECKPOINTING),
-    "flash_attention": ("true or false", lambda v: isinstance(v, bool)),
-    "finetune": ("an object of fine-tuning options", lambda v: isinstance(v, dict)),
-}
-
-
-def _where(ds: DSConfig, key: str) -> str:
-    """``file:line`` of a dotted key (``file`` alone when the line is unknown)."""
-    if not ds.path:
-        return "<config>"
-    line = None
-    try:
-        line = find_key_line(key_lines(read_text_file(ds.path, "DeepSpeed config")), key)
-    except InputError:
-        pass
-    return f"{ds.path}:{line}" if line else ds.path
-
-
-def planning_metadata(ds: DSConfig) -> dict[str, Any]:
-    """The validated planning values of the config's ``zeroplan`` block (absent keys left out)."""
-    block = ds.raw.get(ZEROPLAN_KEY)
-    if block is None:
-        return {}
-    if not isinstance(block, dict):
-        raise InputError(f"{_where(ds, ZEROPLAN_KEY)}: {ZEROPLAN_KEY} = {block!r}: expected an object "
-                         "(zeroplan's planning metadata)")
-    out: dict[str, Any] = {}
-    for key, (expected, ok) in _META_CHECKS.items():
-        if key in block:
-            if not ok(block[key]):
-                raise InputError(f"{_where(ds, f'{ZEROPLAN_KEY}.{key}')}: {ZEROPLAN_KEY}.{key} = "
-                                 f"{json.dumps(block[key])}: expected {expected}")
-            out[key] = block[key]
-    return out
-
-
-def annotate_ds_config(config: dict[str, Any], *, seq_len: int, checkpointing: str, flash_attention: bool,
-                       model: str, hardware: str | None, n_gpus: int,
-                       finetune: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``config`` plus what the plan assumed: a ``zeroplan`` block (read back by ``check`` and
-    ``estimate``) and, for full checkpointing, DeepSpeed's ``activation_checkpointing`` block with
-    DeepSpeed's defaults (what ``deepspeed.checkpointing.checkpoint`` uses when the script calls it;
-    the block configures checkpointing but does not switch it on, and cannot say "selective")."""
-    out = dict(config)
-    if checkpointing == "full" and "activation_checkpointing" not in out:
-        out["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
-                                           "contiguous_memory_optimization": False,
-                                           "synchronize_checkpoint_boundary": False}
-    out[ZEROPLAN_KEY] = {
-        "seq_len": seq_len, "checkpointing": checkpointing, "flash_attention": flash_attention,
-        "planned_for": {"model": model, "hardware": hardware, "gpus": n_gpus},
-        "note": "written by zeroplan recommend; DeepSpeed ignores this key",
-    }
-    if finetune is not None:  # core/finetune_inputs.py finetune_record: read back by fill_from_record
-        out[ZEROPLAN_KEY]["finetune"] = finetune
-    return out
-
-
-# ------------------------------------------------------------------ refusing what DeepSpeed refuses
-_FALLBACK = re.compile(r";\s*(?:DeepSpeed rejects it|using the default [^;]*|using [^;]*$|planning with [^;]*|zeroplan plans with [^;]*)")
-
-
-def refuse_ds_errors(ds: DSConfig | None) -> None:
-    """Raise InputError for the first error finding of ``ds``: a config DeepSpeed 0.19.8 refuses.
-
-    Error-severity findings are exactly those where DeepSpeed raises (pydantic ValidationError in
-    DeepSpeedZeroConfig / DeepSpeedFP16Config / DeepSpeedBF16Config, the batch and precision
-    assertions in DeepSpeedConfig._do_sanity_check / _batch_assertion, removed keys) or fails at
-    engine start (odd allgather_bucket_size at stage 1/2, nvme without nvme_path); see
-    specs/deepspeed_config.py's rule table. One line: file:line, the finding (key = value: expected).
-    """
-    if ds is None or not ds.errors:
-        return
-    first = ds.errors[0]
-    where = _where(ds, first.key) if first.key else (ds.path or "<config>")
-    msg = _FALLBACK.sub("", first.message).rstrip("; ")
-    more = f" (and {len(ds.errors) - 1} more error(s); `zeroplan check` lists them)" if len(ds.errors) > 1 else ""
-    raise InputError(f"{where}: {first.rule_id} {msg}; DeepSpeed {DEEPSPEED_VERSION} refuses this config "
-                     f"(--lenient plans it anyway){more}")

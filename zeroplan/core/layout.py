@@ -20,10 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from zeroplan.specs.deepspeed_config import ZeroConfig
 from zeroplan.specs.model import ModelSpec
 
-__all__ = ["Tensor", "Module", "Layout", "Stage3Schedule", "build_layout", "ceil_div", "greedy_buckets",
-           "greedy_buckets_after", "stage3_schedule"]
+__all__ = ["Tensor", "Module", "Layout", "Stage3Schedule", "build_layout", "zero_layout", "ceil_div",
+           "greedy_buckets", "greedy_buckets_after", "stage3_schedule"]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -336,3 +337,13 @@ def build_layout(
             m.n_gathered += 1
     layout.modules = [by_mod[k] for k in order]
     return layout
+
+
+def zero_layout(spec: ModelSpec, n: int, zero: ZeroConfig) -> Layout:
+    """``spec`` laid out on ``n`` ranks as ``zero`` partitions it: small parameters stay whole only in
+    stage 3 (``param_persistence_threshold``, capped by ``model_persistence_threshold``)."""
+    return build_layout(
+        spec, n,
+        persistence_threshold=int(zero.param_persistence_threshold) if zero.stage == 3 else 0,
+        model_persistence_threshold=zero.model_persistence_threshold,
+    )

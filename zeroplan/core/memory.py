@@ -33,9 +33,10 @@ from zeroplan.core.activations import ActivationBreakdown, activation_memory
 from zeroplan.core.allocator import communicators, reserved_bytes
 from zeroplan.core.finetune import FineTuneViews
 from zeroplan.core.host_memory import HostMemory, host_memory
-from zeroplan.core.layout import Layout, build_layout
+from zeroplan.core.layout import Layout, zero_layout
 from zeroplan.core.memory_buffers import GatherPeak, phase_buffers
 from zeroplan.core.memory_states import model_state_bytes, state_plan
+from zeroplan.specs.deepspeed_config import ZeroConfig, zero_or_default
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
 
@@ -103,19 +104,23 @@ class MemoryBreakdown(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    return getattr(obj, name, default) if obj is not None else default
-
-
-def _offload_device(zero: Any, which: str) -> str:
-    off = _get(zero, which)
-    dev = _get(off, "device", "none") if off is not None else "none"
-    return str(getattr(dev, "value", dev) or "none")
-
-
 def _phase(p_params: int, p_grads: int, p_opt: int, p_buf: int, p_act: int) -> PhaseMemory:
     cats = {"params": p_params, "gradients": p_grads, "optimizer_states": p_opt, "buffers": p_buf, "activations": p_act}
     return PhaseMemory(peak=sum(cats.values()), by_category=cats)
+
+
+def _phases(act: ActivationBreakdown, pb: Any, gpu_params: int, gpu_opt: int, grads_fwd: int, grads_end: int,
+            step_grads: int) -> dict[str, PhaseMemory]:
+    """What is live in the forward, backward and step phases. The activations' own forward and
+    backward peaks (core/activations.py: with a transformers trace, the logits, their gradient and a
+    recomputed layer are only stacked where they coexist); backward is the larger of its start
+    (activations) and its end (all gradients)."""
+    fwd = _phase(gpu_params, grads_fwd, gpu_opt, pb.forward, act.forward_peak)
+    bwd_start = _phase(gpu_params, grads_fwd, gpu_opt, pb.backward, act.backward_peak)
+    bwd_end = _phase(gpu_params, grads_end, gpu_opt, pb.backward, 0)
+    bwd = bwd_start if bwd_start.peak >= bwd_end.peak else bwd_end
+    stp = _phase(gpu_params, step_grads, gpu_opt, pb.step, 0)
+    return {"forward": fwd, "backward": bwd, "step": stp}
 
 
 def _reason(phases: dict[str, PhaseMemory], peak_phase: str, live_peak: int, stage: int, gp: GatherPeak | None,
@@ -181,7 +186,7 @@ def _finetune_note(ft: FineTuneViews, stage: int) -> str:
 def memory_for_stage(
     spec: ModelSpec,
     training: TrainingSetup,
-    zero: Any,
+    zero: ZeroConfig | None,
     n_gpus: int,
     *,
     gpus_per_node: int = 1,
@@ -193,8 +198,8 @@ def memory_for_stage(
 ) -> MemoryBreakdown:
     """Per-GPU memory for ``zero.stage`` on ``n_gpus`` data-parallel GPUs.
 
-    ``zero`` is a zeroplan.specs.deepspeed_config.ZeroConfig (or any object with the same
-    attribute names). ``overhead`` = {"cuda_context_bytes", "nccl_bytes" (per communicator),
+    ``zero`` is a zeroplan.specs.deepspeed_config.ZeroConfig (None: DeepSpeed's defaults, stage 0).
+    ``overhead`` = {"cuda_context_bytes", "nccl_bytes" (per communicator),
     "fragmentation_fraction"} from the hardware profile, or None (reported as 0, with a note).
     ``flavour``: "deepspeed" (what DeepSpeed 0.19.8 allocates) or "paper" (the ZeRO paper's
     accounting of model states; core/memory_states.py).
@@ -202,23 +207,16 @@ def memory_for_stage(
     parameter (what stage 3 partitions and gathers) and ``train_layout`` the trainable ones
     (gradients, optimizer states, buckets, offload).
     """
-    stage = int(_get(zero, "stage", 0))
+    zero = zero_or_default(zero)
+    stage = int(zero.stage)
     if layout is None:
-        layout = build_layout(
-            spec, n_gpus,
-            persistence_threshold=int(_get(zero, "param_persistence_threshold", 100_000)) if stage == 3 else 0,
-            model_persistence_threshold=_get(zero, "model_persistence_threshold", None),
-        )
+        layout = zero_layout(spec, n_gpus, zero)
     if finetune is not None and train_layout is None:
-        train_layout = build_layout(
-            finetune.trainable, n_gpus,
-            persistence_threshold=int(_get(zero, "param_persistence_threshold", 100_000)) if stage == 3 else 0,
-            model_persistence_threshold=_get(zero, "model_persistence_threshold", None),
-        )
+        train_layout = zero_layout(finetune.trainable, n_gpus, zero)
     tl = layout if train_layout is None else train_layout
     notes: list[str] = []
-    off_opt = _offload_device(zero, "offload_optimizer") if stage >= 1 else "none"
-    off_par = _offload_device(zero, "offload_param") if stage == 3 else "none"
+    off_opt = zero.optimizer_offload_device
+    off_par = zero.param_offload_device
     sp = state_plan(training, stage, offload=off_opt != "none", flavour=flavour)
     if sp.note:
         notes.append(sp.note)
@@ -247,16 +245,8 @@ def memory_for_stage(
     grads_fwd = gpu_grads_end if persistent_grads else 0
     step_grads = gpu_grads_end if pb.step_grads is None else pb.step_grads
 
-    # ---- activations ----
     act = activation_memory(spec, training, flavour=flavour)  # paper: Korthikanti; else the transformers trace
-    # the activations' own forward and backward peaks (core/activations.py: with a transformers
-    # trace, the logits, their gradient and a recomputed layer are only stacked where they coexist)
-    fwd = _phase(gpu_params, grads_fwd, gpu_opt, pb.forward, act.forward_peak)
-    bwd_start = _phase(gpu_params, grads_fwd, gpu_opt, pb.backward, act.backward_peak)
-    bwd_end = _phase(gpu_params, gpu_grads_end, gpu_opt, pb.backward, 0)
-    bwd = bwd_start if bwd_start.peak >= bwd_end.peak else bwd_end
-    stp = _phase(gpu_params, step_grads, gpu_opt, pb.step, 0)
-    phases = {"forward": fwd, "backward": bwd, "step": stp}
+    phases = _phases(act, pb, gpu_params, gpu_opt, grads_fwd, gpu_grads_end, step_grads)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 
     # ---- the caching allocator, CUDA context, NCCL (core/allocator.py) ----

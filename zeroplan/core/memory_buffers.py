@@ -2,19 +2,19 @@
 prefetch, and the optimizer step's transients — each with the CUDA stream whose allocator pool
 it comes from (core/allocator.py).
 
-Element counts come from core/layout.py; bytes are ints.
+Element counts come from core/layout.py; bytes are ints. The ZeRO settings are read from the
+typed ``ZeroConfig`` (specs/ds_schema.py holds DeepSpeed's defaults, once).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 from pydantic import BaseModel
 
 from zeroplan.core.comm import STAGE0_BUCKET
 from zeroplan.core.layout import Layout, Stage3Schedule, stage3_schedule
 from zeroplan.core.memory_states import optimizer_temp_bytes
+from zeroplan.specs.deepspeed_config import ZeroConfig
 from zeroplan.specs.training import TrainingSetup
 
 __all__ = ["GatherPeak", "PhaseBuffers", "phase_buffers"]
@@ -46,10 +46,6 @@ class PhaseBuffers:
     gather_backward: GatherPeak | None = None
     step_grads: int | None = None  # gradient bytes live at the step (None: the end-of-backward gradients)
     step_transient: int = 0  # the step's large new blocks (fp32 casts, flat copies, optimizer temporaries)
-
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    return getattr(obj, name, default) if obj is not None else default
 
 
 def _prefetch(sizes: list[int], j: int, room: int) -> int:
@@ -105,19 +101,19 @@ def stage3_gather(layout: Layout, sched: Stage3Schedule, b_p: int, max_live: int
     return best_f, best_b
 
 
-def _stage3(pb: PhaseBuffers, layout: Layout, zero: Any, b_g: int, b_c: int, b_p: int, contiguous: bool,
+def _stage3(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, b_g: int, b_c: int, b_p: int, contiguous: bool,
             gather_layout: Layout) -> None:
-    rbs = int(_get(zero, "reduce_bucket_size", 500_000_000))
+    rbs = int(zero.reduce_bucket_size)
     d = pb.detail
     if contiguous:
         d["ipg_bucket"] = b_g * rbs
     # stage3.py __reduce_and_partition_ipg_grads: reduce-scatter outputs on reduce_and_partition_stream
     d["reduce_scatter_temp"] = b_c * min(rbs, layout.padded_total_3)
-    max_live = int(_get(zero, "max_live_parameters", 1_000_000_000))
+    max_live = int(zero.max_live_parameters)
     # frozen parameters are partitioned and gathered like any other (core/finetune.py)
     sched = stage3_schedule(gather_layout, max_live=max_live,
-                            prefetch_bucket=int(_get(zero, "prefetch_bucket_size", 50_000_000)),
-                            max_reuse=int(_get(zero, "max_reuse_distance", 1_000_000_000)))
+                            prefetch_bucket=int(zero.prefetch_bucket_size),
+                            max_reuse=int(zero.max_reuse_distance))
     gf, gb = stage3_gather(gather_layout, sched, b_p, max_live)
     pb.gather_forward, pb.gather_backward = gf, gb
     if gf:
@@ -134,10 +130,10 @@ def _stage3(pb: PhaseBuffers, layout: Layout, zero: Any, b_g: int, b_c: int, b_p
     pb.side["reduce_scatter"] = {"backward": d["reduce_scatter_temp"]}
 
 
-def _stage12(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetup, stage: int, b_g: int, b_c: int,
+def _stage12(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: TrainingSetup, stage: int, b_g: int, b_c: int,
              contiguous: bool, off_opt: str) -> None:
-    rbs = int(_get(zero, "reduce_bucket_size", 500_000_000))
-    overlap = bool(_get(zero, "overlap_comm", False))
+    rbs = int(zero.reduce_bucket_size)
+    overlap = bool(zero.overlap_comm)
     d = pb.detail
     if contiguous:
         # stage_1_and_2.py setup_buckets: one bucket, two with overlap_comm (buf_0, buf_1)
@@ -161,7 +157,7 @@ def _stage12(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetu
                 pb.forward += extra
 
 
-def _step(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetup, stage: int, b_g: int, grad_end: int,
+def _step(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: TrainingSetup, stage: int, b_g: int, grad_end: int,
           wrapper: str) -> None:
     """The optimizer step's transients (no optimizer offload); sets ``pb.step_grads``.
 
@@ -177,7 +173,7 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetup, 
     """
     d = pb.detail
     if stage == 3:
-        group = max(layout.sub_groups_3(int(_get(zero, "sub_group_size", 1_000_000_000))))
+        group = max(layout.sub_groups_3(int(zero.sub_group_size)))
     elif stage in (1, 2):
         group = layout.partition_12
     else:
@@ -209,7 +205,7 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: Any, training: TrainingSetup, 
     pb.step += pb.step_transient
 
 
-def phase_buffers(layout: Layout, training: TrainingSetup, zero: Any, stage: int, *, off_opt: str, grad_bytes: int,
+def phase_buffers(layout: Layout, training: TrainingSetup, zero: ZeroConfig, stage: int, *, off_opt: str, grad_bytes: int,
                   grad_end: int, wrapper: str, gather_layout: Layout | None = None) -> PhaseBuffers:
     """Every DeepSpeed buffer per phase for one stage (gradients and states excluded).
 
@@ -220,9 +216,9 @@ def phase_buffers(layout: Layout, training: TrainingSetup, zero: Any, stage: int
     prec = training.precision
     b_p, b_c = prec.param_bytes, prec.comm_bytes
     b_g = grad_bytes
-    contiguous = bool(_get(zero, "contiguous_gradients", True)) or off_opt != "none"
+    contiguous = bool(zero.contiguous_gradients) or off_opt != "none"
     pb = PhaseBuffers()
-    hpz = int(_get(zero, "zero_hpz_partition_size", 1) or 1)
+    hpz = max(1, int(zero.zero_hpz_partition_size))
     if stage == 3 and hpz > 1:  # ZeRO++ hpZ secondary partition: +b_p·Ψ/k per GPU
         # the group is min(hpz, world) ranks (DeepSpeed 0.19.8 utils/groups.py::_create_zero_param_parallel_group)
         pb.detail["hpz_secondary_partition"] = b_p * (gather_layout.padded_total_3 // min(hpz, gather_layout.n))

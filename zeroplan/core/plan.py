@@ -16,9 +16,10 @@ from zeroplan.core.finetune import FineTuneViews, ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.specs.finetune import FineTuneInventory
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
-from zeroplan.core.layout import build_layout
+from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
+from zeroplan.specs.deepspeed_config import ZeroConfig, zero_or_default
 from zeroplan.specs.findings import Finding
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
@@ -59,17 +60,11 @@ class Plan(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
-def _device(zero: Any, which: str) -> str:
-    off = getattr(zero, which, None)
-    dev = getattr(off, "device", "none") if off is not None else "none"
-    return str(getattr(dev, "value", dev) or "none")
-
-
 def evaluate(
     *,
     model: ModelSpec,
     training: TrainingSetup,
-    zero: Any,
+    zero: ZeroConfig | None,
     n_gpus: int,
     gpus_per_node: int | None = None,
     hardware: Any = None,
@@ -77,7 +72,8 @@ def evaluate(
     mfu: float | None = DEFAULT_MFU,
     finetune: FineTuneViews | None = None,
 ) -> Plan:
-    """Evaluate one ZeRO configuration (``zero``: a ZeroConfig) on ``n_gpus`` data-parallel GPUs.
+    """Evaluate one ZeRO configuration on ``n_gpus`` data-parallel GPUs (``zero``: a ZeroConfig;
+    None: DeepSpeed's defaults, stage 0).
 
     ``finetune`` (core/finetune.py): trainable vs frozen parameters (LoRA, QLoRA, partial).
     """
@@ -85,16 +81,10 @@ def evaluate(
         gpus_per_node = hardware.node.gpus_per_node if hardware is not None else n_gpus
     gpus_per_node = max(1, min(gpus_per_node, n_gpus))
     nodes = -(-n_gpus // gpus_per_node)
-    stage = int(getattr(zero, "stage", 0))
-    def _layout(spec: ModelSpec):
-        return build_layout(
-            spec, n_gpus,
-            persistence_threshold=int(getattr(zero, "param_persistence_threshold", 100_000)) if stage == 3 else 0,
-            model_persistence_threshold=getattr(zero, "model_persistence_threshold", None),
-        )
-
-    layout = _layout(model if finetune is None else finetune.full)
-    train_layout = None if finetune is None else _layout(finetune.trainable)
+    zero = zero_or_default(zero)
+    stage = int(zero.stage)
+    layout = zero_layout(model if finetune is None else finetune.full, n_gpus, zero)
+    train_layout = None if finetune is None else zero_layout(finetune.trainable, n_gpus, zero)
     overhead = hardware.overhead.model_dump() if hardware is not None else None
     mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout,
                            flavour=comm_model, finetune=finetune, train_layout=train_layout)
@@ -102,8 +92,8 @@ def evaluate(
     ledger: CommLedger = build_ledger(led_layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model,
                                       train_layout=led_train,
                                       no_backward=finetune.no_backward if finetune is not None else frozenset())
-    off_opt = _device(zero, "offload_optimizer") if stage >= 1 else "none"
-    off_par = _device(zero, "offload_param") if stage == 3 else "none"
+    off_opt = zero.optimizer_offload_device
+    off_par = zero.param_offload_device
     comm = CommResult(
         flavour=ledger.flavour,
         bytes_per_gpu_per_step=ledger.bytes_per_gpu_per_step,

@@ -111,6 +111,7 @@ from zeroplan.specs.ds_schema import (  # noqa: F401
     ZeroConfig,
     _alias,
     _default_leaf_module,
+    zero_or_default,
 )
 from zeroplan.specs.ds_writer import _ALWAYS_SHOWN, _zero_to_dict, build_ds_config, write_ds_config  # noqa: F401
 from zeroplan.specs.ds_zero import (  # noqa: F401
@@ -132,6 +133,7 @@ __all__ = [
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "ZeroConfig",
+    "zero_or_default",
     "DSConfig",
     "ABSENT",
     "TOP_LEVEL_KEYS",

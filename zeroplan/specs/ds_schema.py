@@ -25,6 +25,7 @@ __all__ = [
     "OffloadParamConfig",
     "ZeroConfig",
     "DSConfig",
+    "zero_or_default",
 ]
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -191,6 +192,12 @@ class ZeroConfig(BaseModel):
         """Where DeepSpeed really keeps optimizer states: offload_optimizer needs stage >= 1."""
         return self.offload_optimizer.device if self.stage >= 1 else "none"
 
+
+
+def zero_or_default(zero: ZeroConfig | None) -> ZeroConfig:
+    """``zero``, or DeepSpeed's defaults (``ZeroConfig()``, stage 0) when there is none: readers of a
+    ZeRO config take typed fields, so no default is written twice."""
+    return ZeroConfig() if zero is None else zero
 
 class DSConfig(BaseModel):
     """A DeepSpeed config as DeepSpeed 0.19.8 would see it, plus what zeroplan found in it.

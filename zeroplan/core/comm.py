@@ -25,12 +25,13 @@ all-to-all (intra-node then inter-node) when there is more than one node.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
 from zeroplan.core.layout import Layout, Stage3Schedule, ceil_div, greedy_buckets_after, stage3_schedule
 from zeroplan.specs.collectives import sent_bytes
+from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.training import TrainingSetup
 
 __all__ = ["LedgerEntry", "PcieTransfer", "CommLedger", "build_ledger", "offload_costs", "QWZ_BLOCK"]
@@ -110,12 +111,12 @@ class _Builder:
             self.add(op, phase, what, s * elem_bytes, count, dtype, overlap)
 
 
-def offload_costs(layout: Layout, training: TrainingSetup, zero: Any) -> tuple[int, int]:
+def offload_costs(layout: Layout, training: TrainingSetup, zero: ZeroConfig | None) -> tuple[int, int]:
     """(parameters the CPU optimizer updates per step per GPU, NVMe optimizer swap bytes per step per GPU)."""
-    stage = int(getattr(zero, "stage", 0))
-    dev = getattr(getattr(zero, "offload_optimizer", None), "device", "none")
-    dev = str(getattr(dev, "value", dev))
-    if stage < 1 or dev == "none":
+    zero = zero_or_default(zero)
+    stage = zero.stage
+    dev = zero.optimizer_offload_device  # "none" below stage 1
+    if dev == "none":
         return 0, 0
     part = layout.partition_12 if stage < 3 else layout.partition_3
     nvme = 0
@@ -128,7 +129,7 @@ def offload_costs(layout: Layout, training: TrainingSetup, zero: Any) -> tuple[i
 def build_ledger(
     layout: Layout,
     training: TrainingSetup,
-    zero: Any,
+    zero: ZeroConfig | None,
     *,
     gpus_per_node: int,
     comm_model: str = "deepspeed",
@@ -146,15 +147,15 @@ def build_ledger(
     tl = layout if train_layout is None else train_layout
     if comm_model not in ("deepspeed", "paper"):
         raise ValueError(f"comm_model must be 'deepspeed' or 'paper', got {comm_model!r}")
-    g = lambda name, default=None: getattr(zero, name, default)  # noqa: E731
-    stage = int(g("stage", 0))
+    zero = zero_or_default(zero)  # every default below is ZeroConfig's (DeepSpeed's), written once
+    stage = zero.stage
     n = layout.n
     prec = training.precision
     b_p, b_c = prec.param_bytes, prec.comm_bytes
     pdt = cdt = prec.dtype  # communication_data_type defaults to the model dtype
     gas = training.grad_accum
-    rbs = int(g("reduce_bucket_size", 500_000_000))
-    overlap = bool(g("overlap_comm", stage == 3))
+    rbs = zero.reduce_bucket_size
+    overlap = zero.overlap_comm  # unset resolves to stage == 3 (ZeroConfig, DeepSpeed's overlap_comm_valid)
     B = _Builder(n, gpus_per_node)
     notes: list[str] = []
     ds = comm_model == "deepspeed"
@@ -171,9 +172,9 @@ def build_ledger(
         order = "forward" if (stage == 1 and not overlap) else "reverse"
         if ds:
             ranges = layout.bucket_ranges_12(rbs, order)
-            if bool(g("use_multi_rank_bucket_allreduce", True)) or not bool(g("reduce_scatter", True)):
+            if zero.use_multi_rank_bucket_allreduce or not zero.reduce_scatter:
                 for lo, hi in ranges:
-                    slices = layout.owner_slices_12(lo, hi) if bool(g("reduce_scatter", True)) else [hi - lo]
+                    slices = layout.owner_slices_12(lo, hi) if zero.reduce_scatter else [hi - lo]
                     for size in greedy_buckets_after(slices, rbs):
                         B.add("all_reduce", "backward", "gradient bucket", size * b_c, per_step, cdt, overlap)
             else:
@@ -198,13 +199,12 @@ def build_ledger(
                 B.add("all_reduce", "step", "overflow flag", 1, 1, "uint8", False)
             B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
     else:
-        qwz = bool(g("zero_quantized_weights", False))
-        hpz = int(g("zero_hpz_partition_size", 1) or 1)
-        qgz = bool(g("zero_quantized_gradients", False)) and B.nodes > 1
+        qwz = zero.zero_quantized_weights
+        hpz = zero.zero_hpz_partition_size or 1  # 0 and 1 both mean no secondary partition
+        qgz = zero.zero_quantized_gradients and B.nodes > 1
         sched = schedule if schedule is not None else stage3_schedule(
-            layout, max_live=int(g("max_live_parameters", 1_000_000_000)),
-            prefetch_bucket=int(g("prefetch_bucket_size", 50_000_000)),
-            max_reuse=int(g("max_reuse_distance", 1_000_000_000)), paper=not ds)
+            layout, max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
+            max_reuse=zero.max_reuse_distance, paper=not ds)
         if sched.one_shot:
             notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
         for size, nparams, label in sched.forward_chunks:
@@ -249,18 +249,15 @@ def build_ledger(
         for t in layout.persistent_tensors:
             B.add("all_gather", "step", "persistent parameter", layout.padded(t.numel) * b_p, 1, pdt, False)
         if ds:
-            off = getattr(getattr(zero, "offload_optimizer", None), "device", "none")
-            if str(getattr(off, "value", off)) != "none":
+            if zero.optimizer_offload_device != "none":
                 B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
             else:
                 B.add("all_reduce", "step", "gradient norm", 8, 1, "float64", False)
 
     # ---- PCIe traffic for offload (per GPU per step) ----
     pcie: list[PcieTransfer] = []
-    off_opt = getattr(getattr(zero, "offload_optimizer", None), "device", "none")
-    off_par = getattr(getattr(zero, "offload_param", None), "device", "none")
-    off_opt = str(getattr(off_opt, "value", off_opt))
-    off_par = str(getattr(off_par, "value", off_par))
+    off_opt = zero.optimizer_offload_device
+    off_par = zero.param_offload_device
     cpu_params, nvme_bytes = offload_costs(tl, training, zero)
     if stage >= 1 and off_opt != "none":
         part = tl.partition_12 if stage < 3 else tl.partition_3

@@ -87,6 +87,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
+
 __all__ = ["ZeroEngine", "StepResult", "ceil_div", "greedy_buckets", "grad_span", "MIMICS", "FUSED_ADAM_CHUNK",
            "resolve_mimic"]
 
@@ -143,16 +145,6 @@ def greedy_buckets_after(sizes: list[int], bucket_elems: int) -> list[list[int]]
 STAGE0_BUCKET_ELEMS = 500_000_000  # DeepSpeed's stage-0 all-reduce bucket, independent of reduce_bucket_size
 
 
-def _get(obj: Any, name: str, default: Any) -> Any:
-    v = getattr(obj, name, default) if obj is not None else default
-    return default if v is None else v
-
-
-def _device_of(cfg: Any) -> str:
-    dev = _get(cfg, "device", "none")
-    return str(getattr(dev, "value", dev) or "none")
-
-
 class StepResult(dict):
     """``{"loss": float, "model_states": {category: bytes}}`` for one optimizer step."""
 
@@ -171,11 +163,11 @@ def grad_span(numels: list[int], p_lo: int, p_hi: int) -> tuple[int, int]:
 class ZeroEngine:
     """ZeRO stages 0-3 over ``model`` (parameters in forward order), collectives through ``comm``.
 
-    ``zero``: a ``zeroplan.specs.deepspeed_config.ZeroConfig`` (or any object with the same
-    attribute names). ``meter``: a ``zeroplan.runtime.memory`` meter (tags + phases) or None.
+    ``zero``: a ``zeroplan.specs.ds_schema.ZeroConfig``, or None for DeepSpeed's defaults
+    (``zero_or_default``: each default is written once, in the schema). ``meter``: a ``zeroplan.runtime.memory`` meter (tags + phases) or None.
     """
 
-    def __init__(self, model: Any, zero: Any, *, precision: str = "fp32", optimizer: str = "adamw",
+    def __init__(self, model: Any, zero: ZeroConfig | None, *, precision: str = "fp32", optimizer: str = "adamw",
                  comm: Any, grad_accum: int = 1, comm_model: str = "deepspeed",
                  offload_optimizer: bool | None = None, meter: Any = None, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -191,10 +183,10 @@ class ZeroEngine:
             raise ValueError(f"optimizer {optimizer!r}: the bundled engine implements AdamW only")
         self.torch = torch
         self.model = model
-        self.zero = zero
+        self.zero = zero = zero_or_default(zero)
         self.comm = comm
         self.meter = meter if meter is not None else NullMeter()
-        self.stage = int(_get(zero, "stage", 0))
+        self.stage = zero.stage
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage {self.stage}: expected 0..3")
         self.flavour = comm_model
@@ -205,14 +197,14 @@ class ZeroEngine:
         self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
         self.n = comm.world_size
         self.rank = comm.rank
-        self.rbs = max(1, int(_get(zero, "reduce_bucket_size", 500_000_000)))
-        self.overlap = bool(_get(zero, "overlap_comm", self.stage == 3))
+        self.rbs = max(1, zero.reduce_bucket_size)
+        self.overlap = zero.overlap_comm
         if offload_optimizer is None:
-            offload_optimizer = _device_of(_get(zero, "offload_optimizer", None)) != "none"
+            offload_optimizer = zero.offload_optimizer.device != "none"
         self.offload = bool(offload_optimizer) and self.stage >= 1
-        self.contiguous = bool(_get(zero, "contiguous_gradients", True)) or self.offload
-        self.reduce_scatter_cfg = bool(_get(zero, "reduce_scatter", True))
-        self.multi_rank = bool(_get(zero, "use_multi_rank_bucket_allreduce", True)) or not self.reduce_scatter_cfg
+        self.contiguous = zero.contiguous_gradients or self.offload
+        self.reduce_scatter_cfg = zero.reduce_scatter
+        self.multi_rank = zero.use_multi_rank_bucket_allreduce or not self.reduce_scatter_cfg
         self.mixed = precision != "fp32"
         self.step_count = 0
         self.micro_step = 0
@@ -630,8 +622,8 @@ class ZeroEngine:
     def _setup3(self) -> None:
         torch = self.torch
         n = self.n
-        thr = int(_get(self.zero, "param_persistence_threshold", 100_000))
-        cap = int(_get(self.zero, "model_persistence_threshold", 2**63))
+        thr = self.zero.param_persistence_threshold
+        cap = self.zero.model_persistence_threshold
         used = 0
         self.persistent = []
         for k in self.numels:
@@ -686,9 +678,9 @@ class ZeroEngine:
             self.unit_params.append([i for i in idx if not self.persistent[i]])
             unit_numel.append(sum(self.numels[i] for i in idx))
         nonpers = [i for i in range(len(self.params)) if not self.persistent[i]]
-        max_live = int(_get(self.zero, "max_live_parameters", 1_000_000_000))
-        prefetch = int(_get(self.zero, "prefetch_bucket_size", 50_000_000))
-        reuse = int(_get(self.zero, "max_reuse_distance", 1_000_000_000))
+        max_live = self.zero.max_live_parameters
+        prefetch = self.zero.prefetch_bucket_size
+        reuse = self.zero.max_reuse_distance
         bound = min(max_live, prefetch)
         nu = len(self.unit_params)
         if not self.ds:  # paper: one gather per module in forward, again in backward
@@ -1016,7 +1008,7 @@ class ZeroEngine:
                     self.grad_part = None
                 return
             # stage 3: sub-groups of the partition
-            sgs = int(_get(self.zero, "sub_group_size", 1_000_000_000))
+            sgs = self.zero.sub_group_size
             groups = []
             start = cur = 0
             for c in (self.chunk[i] for i in self.train):

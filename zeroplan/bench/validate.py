@@ -132,6 +132,41 @@ def _positive(name: str, v: Any) -> int:
     return int(v)
 
 
+def _memory_limit(memory_limit: Any) -> int | None:
+    """``--memory-limit`` in bytes (``2000000``, ``2M``), or None."""
+    from zeroplan._util import parse_count
+
+    limit = None
+    if memory_limit is not None:
+        try:
+            limit = parse_count(str(memory_limit)) if not isinstance(memory_limit, int) else memory_limit
+        except (ValueError, InputError):
+            raise InputError(f"--memory-limit {memory_limit!r}: expected bytes, e.g. 2000000 or 2M") from None
+    return limit
+
+
+def _tolerance(tolerance: float | None) -> dict[str, float] | None:
+    """``--tolerance`` as the per-kind tolerances (phase peaks never tighter than their default)."""
+    tol = None
+    if tolerance is not None:
+        if tolerance < 0:
+            raise InputError(f"--tolerance {tolerance!r}: expected a relative error >= 0, e.g. 0.01")
+        tol = {"model_state": float(tolerance), "phase_peak": max(float(tolerance), PHASE_PEAK_TOLERANCE)}
+    return tol
+
+
+def _check_engine(engine: str, checkpointing: str, simulate: bool) -> None:
+    """``--engine`` and ``--checkpointing``, and the combinations the runs cannot do."""
+    if engine not in ("zeroplan", "deepspeed"):
+        raise InputError(f"--engine {engine!r}: expected zeroplan (the bundled runtime) or deepspeed")
+    if checkpointing not in ("none", "full"):
+        raise InputError(f"--checkpointing {checkpointing!r}: expected none or full (the bundled runtime "
+                         "recomputes whole layers; selective is planned, not run)")
+    if checkpointing != "none" and (engine == "deepspeed" or simulate):
+        raise InputError("--checkpointing runs with the bundled runtime on real ranks only; "
+                         "drop --engine deepspeed / --simulate")
+
+
 def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc: int = 2, precision: str | None = None,
                        ds_config: str | None = None, micro_batch: int | None = None, seq_len: int | None = None,
                        grad_accum: int | None = None, steps: int | None = None, warmup: int | None = None,
@@ -144,7 +179,6 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
                        lora_alpha: float | None = None, lora_targets: str | None = None,
                        trainable: str | None = None, **_ignored: Any) -> int:
     """The `bench zero` command: returns the exit code (0 ok, 1 a figure out of tolerance or a fault)."""
-    from zeroplan._util import parse_count
     from zeroplan.specs.model import load_model
 
     if comm_model not in ("deepspeed", "paper"):
@@ -181,26 +215,9 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
     nwarm = int(warmup) if warmup is not None else 2
     if nwarm < 0:
         raise InputError(f"--warmup {warmup!r}: expected an integer >= 0")
-    limit = None
-    if memory_limit is not None:
-        try:
-            limit = parse_count(str(memory_limit)) if not isinstance(memory_limit, int) else memory_limit
-        except (ValueError, InputError):
-            raise InputError(f"--memory-limit {memory_limit!r}: expected bytes, e.g. 2000000 or 2M") from None
-    tol = None
-    if tolerance is not None:
-        if tolerance < 0:
-            raise InputError(f"--tolerance {tolerance!r}: expected a relative error >= 0, e.g. 0.01")
-        tol = {"model_state": float(tolerance), "phase_peak": max(float(tolerance), PHASE_PEAK_TOLERANCE)}
-
-    if engine not in ("zeroplan", "deepspeed"):
-        raise InputError(f"--engine {engine!r}: expected zeroplan (the bundled runtime) or deepspeed")
-    if checkpointing not in ("none", "full"):
-        raise InputError(f"--checkpointing {checkpointing!r}: expected none or full (the bundled runtime "
-                         "recomputes whole layers; selective is planned, not run)")
-    if checkpointing != "none" and (engine == "deepspeed" or simulate):
-        raise InputError("--checkpointing runs with the bundled runtime on real ranks only; "
-                         "drop --engine deepspeed / --simulate")
+    limit = _memory_limit(memory_limit)
+    tol = _tolerance(tolerance)
+    _check_engine(engine, checkpointing, simulate)
     ft = _bench_finetune(full, method=method, lora_r=lora_r, lora_alpha=lora_alpha, lora_targets=lora_targets,
                          trainable=trainable)
     if ft is not None and simulate:

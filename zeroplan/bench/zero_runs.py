@@ -94,19 +94,7 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
         measured = [per_rank[r][k] for r in range(len(per_rank))]
         ooms = [m for m in measured if "oom" in m]
         if ooms:
-            o = ooms[0]["oom"]
-            finding = {
-                "rule": "BENCH-OOM", "severity": "error", "stage": st, "ranks": [m["rank"] for m in ooms],
-                "phase": o["phase"], "where": o.get("where"), "message": (
-                    f"stage {st}: out of memory in {o['phase']}{' during the ' + o['where'] if o.get('where') else ''} "
-                    f"on rank(s) {', '.join(str(m['rank']) for m in ooms)} "
-                    f"({o['live_bytes']} bytes live + {_fmt_req(o)} requested > limit {o['limit_bytes']}); "
-                    f"predicted {o['phase']} peak {plan.memory.phases[o['phase']].peak} bytes, "
-                    f"predicted peak {plan.memory.peak} bytes ({plan.memory.peak_phase}: {plan.memory.peak_reason})"),
-                "live_by_category": o["by_category"],
-                "predicted_phase_peak_bytes": plan.memory.phases[o["phase"]].peak,
-                "predicted_peak_bytes": plan.memory.peak,
-            }
+            finding = _oom_finding(st, ooms, plan)
             report["findings"].append(finding)
             entry["oom"] = finding
             entry["rows"] = []
@@ -123,6 +111,23 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
         report["stages"].append(entry)
     report["ok"] = ok
     return report
+
+
+def _oom_finding(st: int, ooms: list[dict], plan: Any) -> dict:
+    """The BENCH-OOM finding of a stage whose ranks ``ooms`` ran out of memory, against the plan."""
+    o = ooms[0]["oom"]
+    return {
+        "rule": "BENCH-OOM", "severity": "error", "stage": st, "ranks": [m["rank"] for m in ooms],
+        "phase": o["phase"], "where": o.get("where"), "message": (
+            f"stage {st}: out of memory in {o['phase']}{' during the ' + o['where'] if o.get('where') else ''} "
+            f"on rank(s) {', '.join(str(m['rank']) for m in ooms)} "
+            f"({o['live_bytes']} bytes live + {_fmt_req(o)} requested > limit {o['limit_bytes']}); "
+            f"predicted {o['phase']} peak {plan.memory.phases[o['phase']].peak} bytes, "
+            f"predicted peak {plan.memory.peak} bytes ({plan.memory.peak_phase}: {plan.memory.peak_reason})"),
+        "live_by_category": o["by_category"],
+        "predicted_phase_peak_bytes": plan.memory.phases[o["phase"]].peak,
+        "predicted_peak_bytes": plan.memory.peak,
+    }
 
 
 def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: int, precision: str,

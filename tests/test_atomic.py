@@ -34,8 +34,8 @@ OLD = b"previous contents \xe2\x9c\x93 (must survive a failed write)\n"
 # Internal files that are not user output; each is written in a private temporary directory.
 ALLOWED = {
     ("runtime/launch.py", "open"): "faulthandler needs a live file object for a rank's stack dump (temp dir)",
-    ("bench/deepspeed_engine.py", "open"): "per-rank JSON in the run's temp dir, written to .tmp then os.replace",
-    ("bench/deepspeed_engine.py", "json.dump"): "same file as above (tmp + os.replace)",
+    ("bench/ds_worker.py", "open"): "per-rank JSON in the run's temp dir, written to .tmp then os.replace",
+    ("bench/ds_worker.py", "json.dump"): "same file as above (tmp + os.replace)",
     ("cli.py", "os.open"): "opens /dev/null (read-write, never created) to silence a broken stdout",
 }
 

@@ -1,0 +1,199 @@
+"""Stage 3 setup and step: per-parameter partitions (trainable and frozen), persistence, fetch units,
+prefetch chunks and re-gather decisions, use-site hooks, reduce-scatter buckets, the sub-group
+step (split out of ``runtime/engine.py``, whose docstring describes the schedule)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroplan.runtime.engine_util import ceil_div, greedy_buckets
+
+
+class Stage3Setup:
+    """Stage 3: partitions, schedule and optimizer step."""
+
+    def _setup3(self) -> None:
+        """Stage 3: per-parameter partitions, fetch units, prefetch chunks, use-site hooks, buckets."""
+        self._setup3_partitions()
+        idx_of, unit_numel = self._setup3_units()
+        self._setup3_prefetch(unit_numel)
+        self._setup3_sites(idx_of)
+        self._setup3_buckets()
+        self._install_grad_hooks()
+
+    def _setup3_partitions(self) -> None:
+        """Persistence, the trainable and frozen flat partitions, optimizer states, gradient partition."""
+        torch = self.torch
+        n = self.n
+        thr = self.zero.param_persistence_threshold
+        cap = self.zero.model_persistence_threshold
+        used = 0
+        self.persistent = []
+        for k in self.numels:
+            pers = k <= thr and used + k <= cap
+            if pers:
+                used += k
+            self.persistent.append(pers)
+        self.chunk = [ceil_div(k, n) for k in self.numels]  # p̂/N per param
+        # the trainable partitions are one flat buffer (fp16_partitioned_groups_flat, the optimizer's
+        # view); frozen ones are separate ds_tensors in DeepSpeed, one flat buffer here
+        self.train = [i for i, p in enumerate(self.params) if p.requires_grad]
+        self.part_n = sum(self.chunk[i] for i in self.train)
+        self.part_offsets = [0] * len(self.params)
+        off = foff = 0
+        for i, c in enumerate(self.chunk):
+            if self.params[i].requires_grad:
+                self.part_offsets[i] = off
+                off += c
+            else:
+                self.part_offsets[i] = foff
+                foff += c
+        self.lp = self._empty(self.part_n, "params", zero=True)
+        self.lp_frozen = self._empty(foff, "params", zero=True) if foff else None
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                c = self.chunk[i]
+                full = self._tag(torch.zeros(c * n, dtype=self.dtype, device=self.device), "params")
+                full[:self.numels[i]].copy_(p.detach().reshape(-1))
+                self._part(i).copy_(full[self.rank * c:(self.rank + 1) * c])
+                if self.persistent[i]:  # kept whole, stored padded to p̂ (the post-step gather writes in place)
+                    p.data = full[:self.numels[i]].view(self.shapes[i])
+                else:
+                    p.data = self._placeholder
+                del full
+        self.master, self.m, self.v = self._opt_state(self.lp)
+        if self.offload:
+            with self._host():
+                self.grad32_host = self._tag(torch.zeros(self.part_n, dtype=torch.float32, device=self.host),
+                                             "optimizer_states", host=True)
+        self.grad_part = self._new_grad_part()
+        self.live = [bool(x) for x in self.persistent]
+
+    def _setup3_units(self) -> tuple[dict[int, int], list[int]]:
+        """Modules (fetch units) in forward order: (param index by id, numel per unit)."""
+        # modules (units) in forward order; D(i) = 2·Σ_{j>i} numel_j over all params of later modules
+        idx_of = {id(p): i for i, p in enumerate(self.params)}
+        self.unit_params: list[list[int]] = []
+        unit_numel: list[int] = []
+        self.unit_of_param: dict[int, int] = {}
+        for _name, _mod, ps in self.units:
+            idx = [idx_of[id(p)] for _, p in ps]
+            for i in idx:
+                self.unit_of_param[i] = len(self.unit_params)
+            self.unit_params.append([i for i in idx if not self.persistent[i]])
+            unit_numel.append(sum(self.numels[i] for i in idx))
+        return idx_of, unit_numel
+
+    def _setup3_prefetch(self, unit_numel: list[int]) -> None:
+        """The forward gather chunks (DeepSpeed's prefetch bound) and which units are re-gathered."""
+        nonpers = [i for i in range(len(self.params)) if not self.persistent[i]]
+        max_live = self.zero.max_live_parameters
+        prefetch = self.zero.prefetch_bucket_size
+        reuse = self.zero.max_reuse_distance
+        bound = min(max_live, prefetch)
+        nu = len(self.unit_params)
+        if not self.ds:  # paper: one gather per module in forward, again in backward
+            chunks = [ps for ps in self.unit_params if ps]
+            self.regather = [bool(ps) for ps in self.unit_params]
+        elif bound > 0 and sum(self.numels[i] for i in nonpers) < bound:  # everything fits one prefetch
+            chunks = [nonpers] if nonpers else []
+            self.regather = [False] * nu
+        else:
+            if bound <= 0:
+                chunks = [ps for ps in self.unit_params if ps]
+            else:  # consecutive params, each chunk closed once its unpadded numel reaches the bound
+                chunks, cur, run = [], [], 0
+                for i in nonpers:
+                    cur.append(i)
+                    run += self.numels[i]
+                    if run >= bound:
+                        chunks.append(cur)
+                        cur, run = [], 0
+                if cur:
+                    chunks.append(cur)
+            self.regather = [False] * nu
+            after = 0
+            for u in range(nu - 1, -1, -1):
+                self.regather[u] = bool(self.unit_params[u]) and 2 * after >= reuse
+                after += unit_numel[u]
+        self.chunks = chunks
+        self.chunk_of = {i: c for c, ps in enumerate(chunks) for i in ps}
+
+    def _setup3_sites(self, idx_of: dict[int, int]) -> None:
+        """Forward pre/post hooks on every module that reads a unit's non-persistent params."""
+        nu = len(self.unit_params)
+        # use-sites: modules whose forward reads a unit's non-persistent params
+        self.sites: dict[int, list[int]] = {}
+        for mod in self.model.modules():
+            us = set()
+            owners = [mod] + ([mod._source] if getattr(mod, "_source", None) is not None else [])
+            for o in owners:
+                for p in o.parameters(recurse=False):
+                    i = idx_of.get(id(p))
+                    if i is not None and not self.persistent[i]:
+                        us.add(self.unit_of_param[i])
+            if us:
+                self.sites[id(mod)] = sorted(us)
+                self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(mod.register_forward_hook(self._post_forward))
+        self.unit_uses = [0] * nu
+        for us in self.sites.values():
+            for u in us:
+                self.unit_uses[u] += 1
+        self.unit_seen = [0] * nu
+        self.unit_pending = [0] * nu
+
+    def _setup3_buckets(self) -> None:
+        """Reduce-scatter buckets over padded sizes, gradient-ready order; the ipg bucket."""
+        n = self.n
+        # reduce-scatter buckets over padded sizes, gradient-ready order
+        order = self._ready_order()  # trainable only: frozen parameters get no gradient
+        self.buckets = [(0, 0, [order[k] for k in idx])
+                        for idx in greedy_buckets([self.chunk[i] * n for i in order], self.rbs)]
+        self.ipg = [self._empty(self.rbs, "buffers")] if self.contiguous else []
+        self._bucket_total = [sum(self.chunk[i] for i in ps) * n for _, _, ps in self.buckets]
+        self._pos3 = {}
+        for _, _, ps in self.buckets:
+            pos = 0
+            for i in ps:
+                self._pos3[i] = pos
+                pos += self.chunk[i] * n
+
+    def _part(self, i: int) -> Any:
+        """Param i's stage-3 partition (p̂/N elements): in the trainable flat buffer or the frozen one."""
+        src = self.lp if self.params[i].requires_grad else self.lp_frozen
+        return src[self.part_offsets[i]:self.part_offsets[i] + self.chunk[i]]
+
+    def _step3(self) -> None:
+        """Stage 3: AdamW per sub-group, the persistent params re-gathered, the norm all-reduce."""
+        torch = self.torch
+        sgs = self.zero.sub_group_size
+        groups = []
+        start = cur = 0
+        for c in (self.chunk[i] for i in self.train):
+            cur += c
+            if cur - start >= sgs:
+                groups.append((start, cur))
+                start = cur
+        if cur > start:
+            groups.append((start, cur))
+        norm_sq = torch.zeros((), dtype=torch.float64)
+        for a, b in groups:
+            self._step_group(self.grad_part[a:b], self.master[a:b], self.m[a:b], self.v[a:b], self.lp[a:b], a)
+            norm_sq = norm_sq + self._norm_sq.cpu()
+        self.grad_part.zero_()
+        # stage3.py _post_step: `self.persistent_parameters[0].all_gather(self.persistent_parameters)`
+        # re-gathers EVERY persistent parameter, frozen ones too (step() released them all first:
+        # _partition_all_parameters -> release_and_reset_all)
+        for i, p in enumerate(self.params):
+            if self.persistent[i]:  # in place into the padded whole copy
+                c = self.chunk[i]
+                full = self.torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                    p.data.untyped_storage(), 0, (c * self.n,))
+                self.comm.all_gather(full, self._part(i))
+                del full
+        if self.ds:
+            dt = torch.float32 if self.offload else torch.float64  # DeepSpeed 0.19.8: 4 B with offload
+            norm = norm_sq.reshape(1).to(device=self.device, dtype=dt)
+            self.comm.all_reduce(norm)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import traceback
 
@@ -194,6 +195,11 @@ def _die_with_parent() -> None:
 
 def _worker(rank: int, nproc: int, jobs: list[dict], out_dir: str, device: str = "cpu") -> None:
     _die_with_parent()
+    # A rank reports through files in out_dir, never on stdout: DeepSpeed's logger and its
+    # accelerator warning print to stdout, which is the parent's and may carry `--json`. Send
+    # everything this rank prints to stderr instead (file descriptor 1 -> 2, and Python's view).
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     # MASTER_* are set for code that reads them, but the rendezvous is a FileStore in out_dir (below):
     # no TCP port is picked, so parallel launches (pytest-xdist workers) can never collide on one.
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "RANK": str(rank),

@@ -4,6 +4,8 @@ and the simulated trace, each compared stage by stage into a JSON-able report (s
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 from zeroplan._util import InputError
@@ -142,7 +144,10 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
     transients are not visible without a CUDA allocator: phase peaks are compared on GPUs only.
     """
     try:
-        import deepspeed  # noqa: F401
+        # DeepSpeed logs to stdout at import ("Setting accelerator to CPU"); its logger keeps the
+        # stream it was made with, so make it while stdout is stderr: `--json` stays parseable
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
         raise InputError(f"--engine deepspeed needs DeepSpeed: pip install 'zeroplan[deepspeed]' ({exc})") from None
     from zeroplan.bench.deepspeed_engine import run_deepspeed_steps, select_device, steps_identical

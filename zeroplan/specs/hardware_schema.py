@@ -1,19 +1,6 @@
-"""Hardware profiles as typed data: what a cluster node is made of, with the source of every number.
+"""The typed hardware profile (pydantic): a node's GPU, links, host and the source of every number.
 
-A profile is a TOML file (bundled ones live in ``hardware_profiles/``, shipped as the
-package ``zeroplan.hardware_profiles``; users pass a path to their own). Units, fixed:
-
-- bytes are integers (``memory_bytes``, ``host_ram_bytes``, ...); GiB = 2**30, GB = 10**9;
-- bandwidths are ``GBps`` = 10**9 bytes/s, **unidirectional**, and link bandwidths are
-  **per GPU** (a 400 Gb/s NIC = 50 GB/s; one NIC shared by 8 GPUs gives each 1/8 of it);
-- ``latency_us`` is microseconds per collective step (the alpha of an alpha-beta model);
-- ``efficiency`` is the achievable fraction of ``bandwidth_GBps_per_gpu`` (0 < e <= 1);
-- ``peak_flops`` are dense (no sparsity) FLOP/s per dtype.
-
-Every numeric field needs an entry in ``sources`` keyed by its dotted path
-(``"inter_node.bandwidth_GBps_per_gpu"``); a source for a parent path
-(``"gpu.peak_flops"``) covers the fields below it. Sanity bounds catch unit mistakes
-(Gb/s written for GB/s, per-node written for per-GPU, TB/s for GB/s) with a hint.
+Units and the sources rule are in the package overview, ``zeroplan/specs/hardware.py``.
 """
 
 from __future__ import annotations

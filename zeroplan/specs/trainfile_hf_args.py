@@ -37,6 +37,12 @@ def read_hf_args(path: str | Path) -> TrainingFile:
             if out.seq_len is not None and v != out.seq_len:
                 raise InputError(f"{where}: max_seq_length {out.seq_len} and max_length {v} disagree")
             out.seq_len = v
+    return finish_trainer_keys(r, out, where)
+
+
+def finish_trainer_keys(r: _Reader, out: TrainingFile, where: str) -> TrainingFile:
+    """The keys HF Trainer arguments and LLaMA-Factory's YAML share at the end of a read: ``optim``
+    (a preset), ``deepspeed`` (a path beside the file); then typos refused and the rest listed as ignored."""
     optim = r.str("optim")
     if optim is not None:
         if optim not in _HF_OPTIM:

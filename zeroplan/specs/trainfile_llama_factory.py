@@ -8,8 +8,8 @@ from pathlib import Path
 
 from zeroplan._util import InputError
 from zeroplan.specs.finetune import ALL_LINEAR, FineTune, LoraSpec, QuantSpec
-from zeroplan.specs.trainfile_hf_args import _HF_OPTIM
-from zeroplan.specs.trainfile_reader import TrainingFile, _ds_path, _load_mapping, _precision, _Reader, _storage
+from zeroplan.specs.trainfile_hf_args import finish_trainer_keys
+from zeroplan.specs.trainfile_reader import TrainingFile, _load_mapping, _precision, _Reader, _storage
 
 def read_llama_factory(path: str | Path) -> TrainingFile:
     where = str(path)
@@ -51,12 +51,4 @@ def read_llama_factory(path: str | Path) -> TrainingFile:
         out.finetune = FineTune(method="full", trainable=(f"last:{k}",))
     else:
         out.finetune = FineTune()
-    optim = r.str("optim")
-    if optim is not None:
-        if optim not in _HF_OPTIM:
-            raise InputError(f"{where}: optim = {optim!r} is not planned; expected one of {', '.join(sorted(_HF_OPTIM))}")
-        out.optimizer = _HF_OPTIM[optim]
-    out.ds_config = _ds_path(r, "deepspeed", Path(where).resolve().parent)
-    r.refuse_typos()
-    out.ignored_keys = r.ignored()
-    return out
+    return finish_trainer_keys(r, out, where)

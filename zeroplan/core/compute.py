@@ -16,8 +16,12 @@ actually passes through:
 Fine-tuning (core/finetune_compute.py): a frozen weight skips its weight-gradient GEMM, so it
 costs 2 forward + 2 backward (the activation gradient) = 4 per token; trainable weights, LoRA's A
 and B included, cost 6. ``work.trainable_share`` is the share of matmul FLOPs whose weights train.
-Full activation checkpointing runs the forward once more (+1/3 of the matmul work, and the
-attention forward again); selective checkpointing recomputes the attention core only.
+Full activation checkpointing runs the forward of every transformer block once more (+1/3 of
+the blocks' matmul work, and the attention forward again) but not the LM head: the checkpointed
+unit is the block (transformers ``GradientCheckpointingLayer``, the base of e.g.
+``LlamaDecoderLayer``; llm-foundry ``MPTPreTrainedModel.activation_checkpointing_fn`` returns
+``isinstance(module, MPTBlock)``), and the final norm and logits run outside it. Selective
+checkpointing recomputes the attention core only.
 ``model_flops`` is the work without recomputation (what MFU divides by), ``hardware_flops``
 with it (what the GPU runs).
 
@@ -177,7 +181,8 @@ def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float
     bwd_mm = fwd_mm + (fwd_mm - fwd_ad) * work.trainable_share + fwd_ad
     model_flops = fwd_mm + bwd_mm + 3 * fwd_att
     ck = training.checkpointing
-    re_mm = fwd_mm if ck == "full" else 0.0
+    # full checkpointing reruns the blocks' forward, not the logits matmul (outside every block)
+    re_mm = fwd_mm - f["logits"] * tokens if ck == "full" else 0.0
     re_att = fwd_att if ck in ("full", "selective") else 0.0
     hardware_flops = model_flops + re_mm + re_att
     peak = peak_flops(hw, training)

@@ -163,8 +163,8 @@ class ComputeEstimate(BaseModel):
     attention_fraction: float | None = None
     shape_factor: float | None = None
     elementwise_time_s: float = 0.0
-    forward_time_s: float = 0.0  # the forward pass (incl. recomputation when checkpointing) of all micro-steps
-    backward_time_s: float = 0.0
+    forward_time_s: float = 0.0  # the forward pass of all micro-steps (without recomputation)
+    backward_time_s: float = 0.0  # the backward pass, with the recomputation that runs inside it
 
 
 def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float | None = None,
@@ -188,7 +188,10 @@ def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float
     peak = peak_flops(hw, training)
     gen_key = gpu_generation(hw.gpu.name)
     gen = GENERATIONS[gen_key]
-    fwd_share = (fwd_mm + fwd_att + re_mm + re_att) / hardware_flops if hardware_flops else 1 / 3
+    # recomputation runs inside the backward pass (torch.utils.checkpoint: the reentrant
+    # CheckpointFunction.backward reruns the block; the non-reentrant variant reruns it when backward
+    # first unpacks a saved tensor), so it is compute the backward's collectives can hide behind
+    fwd_share = (fwd_mm + fwd_att) / hardware_flops if hardware_flops else 1 / 3
     if mfu is not None:
         t = model_flops / (peak * mfu)
         return ComputeEstimate(

@@ -1,7 +1,8 @@
 """Which communication hides behind compute, phase by phase, as the engines schedule it.
 
-Per optimizer step, per phase (forward, backward, step), with ``C`` the phase's compute and
-the ledger's collectives of the phase timed one by one (core/nccl_model.py):
+Per optimizer step, per phase (forward, backward, step), with ``C`` the phase's compute (the
+recomputation of activation checkpointing is backward compute: it runs inside the backward pass,
+core/compute.py) and the ledger's collectives of the phase timed one by one (core/nccl_model.py):
 - forward (ZeRO-3 parameter gathers, ``overlap``): DeepSpeed's PartitionedParameterCoordinator
   prefetches the next modules' gathers while the current module computes
   (``fetch_sub_module`` / ``__prefetch_params``), so the FIRST gather of every micro-step is

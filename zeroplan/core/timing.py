@@ -123,11 +123,12 @@ def _legacy_compute(active_params: int, training: TrainingSetup, hw: Any, mfu: f
     peak = peak_flops(hw, training)
     rate = 0.4 if mfu is None else mfu
     t = model / (peak * rate)
-    fwd_per, hard_per = (4.0, per_param + 2.0) if training.checkpointing == "full" else (2.0, per_param)
+    # the forward is 2Ψ per token; recomputation (full checkpointing) runs inside the backward
+    hard_per = per_param + (2.0 if training.checkpointing == "full" else 0.0)
     return ComputeEstimate(time_s=t, model_flops=model, hardware_flops=hard, attention_share=0.0, peak_flops=peak,
                            mfu=rate, source=f"{per_param:g}Ψ per token at MFU {rate:g} (no architecture given)",
-                           generation="unknown", forward_time_s=t * fwd_per / hard_per,
-                           backward_time_s=t * (per_param - 2.0) / hard_per)
+                           generation="unknown", forward_time_s=t * 2.0 / hard_per,
+                           backward_time_s=t * (hard_per - 2.0) / hard_per)
 
 
 def estimate_time(

@@ -41,9 +41,10 @@ CKPT_ORDER = ("none", "selective", "full")
 NVME_PATH = "/local_nvme"  # placeholder written into emitted configs; set it to the NVMe mount
 USEFUL_THROUGHPUT = (
     "useful throughput = global training tokens per second = micro_batch × seq_len × grad_accum × "
-    "n_gpus / step_time; step_time = compute (6·Ψ FLOPs per token, 4·Ψ for frozen weights, + 2·Ψ with full "
-    "recomputation, at peak FLOP/s × MFU) + exposed communication (mean of best/worst overlap) + offload PCIe time. "
-    "Recomputation and offload traffic are cost, not work."
+    "n_gpus / step_time; step_time = compute (6 FLOPs per weight per token, 4 for frozen weights, + 2 per block "
+    "weight with full recomputation, plus attention, at the GPU generation's achievable rate or --mfu) + the "
+    "slowdown hidden communication costs compute + exposed communication (the overlap schedule) + offload PCIe, "
+    "CPU optimizer and NVMe time. Recomputation and offload traffic are cost, not work."
 )
 
 
@@ -69,7 +70,7 @@ class Candidate(BaseModel):
     tokens_per_s: float | None = None  # useful throughput (see USEFUL_THROUGHPUT)
     comm_share: float | None = None
     comm_bytes_per_gpu_per_step: int | None = None
-    exposed_comm_s: float | None = None  # mean of best/worst
+    exposed_comm_s: float | None = None  # the overlap schedule's estimate (core/overlap.py)
 
     @property
     def offload(self) -> bool:

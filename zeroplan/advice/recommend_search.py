@@ -134,7 +134,7 @@ def _search_point(sw: _Sweep, s: int, point: tuple, mbs: list[int], ckpts: list[
             c.tokens_per_s = t.tokens_per_s
             c.comm_share = t.comm_share
             c.comm_bytes_per_gpu_per_step = led.bytes_per_gpu_per_step
-            c.exposed_comm_s = (t.exposed_time_s["best"] + t.exposed_time_s["worst"]) / 2
+            c.exposed_comm_s = t.exposed_time_s["estimate"]  # what step_time_s includes (core/overlap.py)
             out.cands.append((c, st.deviation))
 
 

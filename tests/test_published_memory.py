@@ -45,10 +45,6 @@ KNOWN_WRONG_VERDICTS: dict[str, str] = {
     "ds-tutorial-gpt2-10b-z2-32xv100":
         "allocated 26.7 GiB fits; the device total (+10% allocator slack, the step's fp32 gradient in new "
         "segments, 0.75 GiB context, two NCCL communicators) is 0.5 GiB over the 31.7 GiB V100",
-    "ds-tutorial-gpt2-10b-z2-offload-1xv100":
-        "allocated 32.2 GiB: activations from transformers' GPT-2 (eager attention, fp32 loss), not Megatron-LM's "
-        "fused softmax and in-place vocab-parallel cross entropy; the DeepSpeedExamples script's cpu_checkpointing "
-        "(not modelled) and 5e7 bucket are not in the tutorial's JSON",
 }
 
 
@@ -62,7 +58,9 @@ def predict(case: dict) -> tuple[object, int | None]:
     training = TrainingSetup(
         precision=get_precision(s["precision"]), micro_batch=s["micro_batch"], seq_len=s["seq_len"],
         grad_accum=s["grad_accum"], checkpointing=s["checkpointing"], optimizer_impl=s["optimizer_impl"],
-        flash_attention=s.get("flash_attention", True),
+        flash_attention=s.get("flash_attention", True), activation_impl=s.get("activations", "transformers"),
+        cpu_checkpointing=ds.activation_checkpointing.cpu_checkpointing,
+        partition_activations=ds.activation_checkpointing.partition_activations,
     )
     base = load_profile(str(PROFILE))
     hw = base.model_copy(update={

@@ -225,8 +225,6 @@ def memory_for_stage(
         params = _finetune_param_bytes(finetune, layout, params, training.precision.param_bytes, stage)
         notes.append(_finetune_note(finetune, stage))
     model_states = params + grads_end + opt
-    host = host_memory(tl, training, zero, stage, off_opt=off_opt, off_par=off_par, gpus_per_node=gpus_per_node,
-                       master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes)
 
     # ---- offload: what stays on the GPU ----
     gpu_params, gpu_opt, gpu_grads_end = params, opt, grads_end
@@ -246,6 +244,9 @@ def memory_for_stage(
     step_grads = gpu_grads_end if pb.step_grads is None else pb.step_grads
 
     act = activation_memory(spec, training, flavour=flavour)  # paper: Korthikanti; else the transformers trace
+    host = host_memory(tl, training, zero, stage, off_opt=off_opt, off_par=off_par, gpus_per_node=gpus_per_node,
+                       master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes,
+                       activation_host_bytes=act.host_checkpoints)
     phases = _phases(act, pb, gpu_params, gpu_opt, grads_fwd, gpu_grads_end, step_grads)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 

@@ -29,7 +29,7 @@ from zeroplan.core.plan import evaluate
 from zeroplan.specs.deepspeed_config import load_ds_config
 from zeroplan.specs.hardware import load_profile
 from zeroplan.specs.model import load_model
-from zeroplan.specs.training import TrainingSetup, get_precision
+from zeroplan.specs.training import ACTIVATION_IMPLS, TrainingSetup, get_precision
 
 DATA = Path(__file__).parent / "data" / "published" / "memory.json"
 CASES = json.loads(DATA.read_text())["cases"]
@@ -147,6 +147,7 @@ def test_case_setup_is_complete(case):
     assert case["source"].startswith("https://")
     assert case["verdict"] in ("fits", "oom")
     assert s["ds_config"]["zero_optimization"]["stage"] == s["stage"]
+    assert s.get("activations", "transformers") in ACTIVATION_IMPLS
     assert case["measured"]["figure"] in (None, *SCORED, "allocated_at_oom_forward")
     assert (case["measured"]["figure"] is None) == (case["measured"].get("bytes") is None)
     zero = load_ds_config(s["ds_config"], hidden_size=load_model(

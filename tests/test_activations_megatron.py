@@ -114,3 +114,9 @@ def test_written_block_holds_deepspeeds_defaults(key):
                              hardware=None, n_gpus=1)
     assert out["activation_checkpointing"][key] is False
     assert load_ds_config(out).activation_checkpointing.model_dump()[key] is False
+
+
+def test_megatron_refuses_a_model_its_code_cannot_express():
+    from zeroplan._util import InputError
+    with pytest.raises(InputError, match="not that model"):
+        activation_memory(load_model("llama-2-7b"), _setup())  # gated MLP: not Megatron-LM's GPT-2

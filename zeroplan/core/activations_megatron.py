@@ -39,6 +39,7 @@ over one rank, i.e. copies).
 
 from __future__ import annotations
 
+from zeroplan._util import InputError
 from zeroplan.core.activation_terms import ActivationBreakdown, dropout_flags, layer_activation_bytes
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
@@ -52,7 +53,14 @@ _GELU_SAVED = 7
 
 
 def megatron_activations(spec: ModelSpec, training: TrainingSetup) -> ActivationBreakdown:
-    """Activations of one micro-batch of DeepSpeedExamples' Megatron-LM GPT-2 (see the module doc)."""
+    """Activations of one micro-batch of DeepSpeedExamples' Megatron-LM GPT-2 (see the module doc).
+
+    Raises InputError for a model that code cannot express (gated MLP, grouped-query heads, experts).
+    """
+    if spec.gated_mlp or spec.num_experts or spec.num_key_value_heads != spec.num_attention_heads:
+        raise InputError(f"activations megatron: zeroplan models DeepSpeedExamples' Megatron-LM GPT-2 (dense GeLU MLP, "
+                         f"multi-head attention, no experts); {spec.name} ({spec.model_type}) is not that model: "
+                         "use activations transformers")
     s, b, h, L, V = training.seq_len, training.micro_batch, spec.hidden_size, spec.num_layers, spec.vocab_size
     a, ffn = spec.num_attention_heads, spec.intermediate_size
     q = a * spec.head_dim

@@ -36,8 +36,9 @@ def read_activation_checkpointing(r: _Reader, raw: dict[str, Any]) -> Activation
             r.unknown(f"{_KEY}.{k}", list(known), "warning", "DeepSpeed ignores it")
         elif k == "number_checkpoints":
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                r.add("DS003", "error", f"{_KEY}.{k}", f"{_KEY}.{k} = {_fmt(v)}: expected a positive integer "
-                      "(the number of checkpointed layers); ignored", v)
+                r.add("DS003", "warning", f"{_KEY}.{k}", f"{_KEY}.{k} = {_fmt(v)}: expected a positive integer "
+                      "(the number of checkpointed layers; deepspeed.checkpointing.configure sizes its buffers "
+                      "with it); ignored", v)
             else:
                 values[k] = v
         else:
@@ -47,8 +48,10 @@ def read_activation_checkpointing(r: _Reader, raw: dict[str, Any]) -> Activation
             values[k] = bool(v)
     cfg = ActivationCheckpointingConfig(**values)
     if cfg.contiguous_memory_optimization and not cfg.partition_activations:
-        r.add("DS010", "error", f"{_KEY}.contiguous_memory_optimization",
+        # a warning, not an error: the assertion fires only in deepspeed.checkpointing.configure, which a
+        # Megatron-style script calls and transformers' checkpointing does not
+        r.add("DS010", "warning", f"{_KEY}.contiguous_memory_optimization",
               f"{_KEY}.contiguous_memory_optimization without partition_activations: DeepSpeed asserts "
               "'Contiguous Checkpointing is only available with partitioned activations' when the script "
-              "configures checkpointing", True)
+              "configures deepspeed.checkpointing", True)
     return cfg

@@ -45,7 +45,7 @@ def test_shipped_data_covers_every_family_and_variant():
                 # bytes are integers: every coefficient is a multiple of 1/64 (the fit's grid)
                 assert all(Fraction(v).denominator <= 64 for v in coef.values()), (fam, coef)
         # traced with the catalog model's own dropout settings
-        from zeroplan.core.activations import _dropout
+        from zeroplan.core.activation_terms import dropout_flags as _dropout
         assert entry["dropout"] == list(_dropout(load_model(entry["catalog_model"]))), fam
 
 

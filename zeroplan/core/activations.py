@@ -57,8 +57,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
+from zeroplan.core.activation_terms import ActivationBreakdown, dropout_flags, layer_activation_bytes
+from zeroplan.core.activations_megatron import megatron_activations
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
 
@@ -100,74 +100,6 @@ def token_features(spec: ModelSpec, seq_len: int) -> dict[str, int]:
     }
 
 
-def _dropout(spec: ModelSpec) -> tuple[bool, bool]:
-    """(attention dropout, residual/hidden dropout) from the HF config, default off."""
-    cfg = spec.hf_config or {}
-    attn = any(float(cfg.get(k) or 0) > 0 for k in ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob"))
-    hid = any(float(cfg.get(k) or 0) > 0 for k in ("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "embd_pdrop"))
-    return attn, hid
-
-
-def layer_activation_bytes(
-    spec: ModelSpec,
-    seq_len: int,
-    micro_batch: int,
-    act_bytes: int,
-    *,
-    flash_attention: bool,
-    drop_scores: bool = False,
-) -> int:
-    """Bytes of activations one transformer layer keeps for backward (no recomputation)."""
-    s, b, h = seq_len, micro_batch, spec.hidden_size
-    a = spec.num_attention_heads
-    hd = spec.head_dim
-    q_width = a * hd
-    kv_width = spec.num_key_value_heads * hd
-    attn_drop, hid_drop = _dropout(spec)
-    sb = s * b
-
-    # attention block
-    attn = act_bytes * sb * (h + q_width + 2 * kv_width + q_width)
-    if flash_attention:
-        attn += 4 * a * sb  # fp32 log-sum-exp per row
-    elif not drop_scores:
-        attn += act_bytes * a * s * s * b  # softmax output
-        if attn_drop:
-            attn += act_bytes * a * s * s * b + a * s * s * b  # dropout output + 1-byte mask
-    if hid_drop:
-        attn += sb * h  # residual dropout mask
-
-    # MLP block
-    inter = spec.intermediate_size
-    per_token_mlp = h + (4 * inter if spec.gated_mlp else 2 * inter)
-    if spec.num_experts:
-        k = max(1, spec.experts_per_token)
-        mlp = act_bytes * sb * h + act_bytes * sb * k * (per_token_mlp - h)
-        mlp += 4 * sb * spec.num_experts  # fp32 router logits
-    else:
-        mlp = act_bytes * sb * per_token_mlp
-    if hid_drop:
-        mlp += sb * h
-
-    norms = 2 * act_bytes * sb * h
-    return attn + mlp + norms
-
-
-class ActivationBreakdown(BaseModel):
-    """Bytes of activations for one micro-batch on one GPU."""
-
-    per_layer: int  # one layer as stored for backward (after checkpointing policy)
-    layers: int  # all layers stored at the end of forward
-    recompute: int  # full ckpt: the recomputed layer and its backward transient (paper: its activations)
-    embeddings: int  # everything alive at the end of forward that is neither a layer nor logits
-    logits: int  # logits kept for backward (paper: s·b·V in compute dtype + fp32 copy)
-    total: int  # live at the end of forward: layers + embeddings + logits
-    forward_peak: int  # most activation bytes live during forward (incl. the loss)
-    backward_peak: int  # most activation bytes live during backward
-    formula: str
-    source: str = "paper"  # "paper" (Korthikanti) or "transformers <version> trace: <family>, <attn>"
-
-
 @functools.lru_cache(maxsize=1)
 def traced_data() -> dict[str, Any]:
     """The shipped trace (activation_data.json), parsed once."""
@@ -186,7 +118,7 @@ def _traced(spec: ModelSpec, training: TrainingSetup, attention: str) -> Activat
     fam = data["families"].get(spec.model_type)
     if fam is None or training.precision.activation_bytes != 2:
         return None
-    if list(_dropout(spec)) != fam["dropout"]:
+    if list(dropout_flags(spec)) != fam["dropout"]:
         return None  # traced with the catalog's dropout setting; another setting saves other masks
     impl = "eager" if attention == "eager" else "sdpa"  # flash-attention-2 keeps what SDPA keeps (q, k, v, out, lse)
     ckpt = "full" if training.checkpointing == "full" else "none"
@@ -230,6 +162,8 @@ def activation_memory(
     """
     if attention is None:
         attention = "sdpa" if training.flash_attention else "eager"
+    if flavour != "paper" and training.activation_impl == "megatron":
+        return megatron_activations(spec, training)
     if flavour != "paper":
         traced = _traced(spec, training, attention)
         if traced is not None:
@@ -257,7 +191,7 @@ def _paper(spec: ModelSpec, training: TrainingSetup, *, flash_attention: bool) -
             "Korthikanti et al. 2022 per-layer sum (34·s·b·h + 5·a·s²·b for GPT shapes), "
             + ("flash attention (no s² terms)" if flash_attention else "with attention scores")
         )
-    _, hid_drop = _dropout(spec)
+    _, hid_drop = dropout_flags(spec)
     embeddings = ab * s * b * h + (s * b * h if hid_drop else 0)
     logit_bytes = (ab + 4) if ab != 4 else 4
     logits = logit_bytes * s * b * V

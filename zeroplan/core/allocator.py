@@ -18,6 +18,13 @@ Two figures per GPU:
   growing segment per stream and removes most of it: modelled as no slack).
 - The device total adds the CUDA context and NCCL's buffers, one set per communicator
   (``nvidia-smi`` shows that sum).
+- Under pressure the cache gives way: when ``cudaMalloc`` fails, ``DeviceCachingAllocator::malloc``
+  frees cached blocks (``release_available_cached_blocks``, then ``release_cached_blocks``: every
+  free segment no live block sits in, of every stream's pool) and retries; only then does it raise
+  OOM. So the pools' maxima and the step's new segments stack only while the card has room: a run
+  fits when what it cannot release — the live bytes of its worst phase with their split-segment
+  slack (``required_bytes``) — fits beside the context and NCCL, and its cache then fills the card
+  (``release_under_pressure``).
 
 NCCL communicators a DeepSpeed data-parallel job creates (each rank is in one of each):
 the world group, and ZeRO's clone of it (deepspeed/utils/groups.py ``_clone_world_group``,
@@ -30,7 +37,8 @@ from __future__ import annotations
 
 from zeroplan.specs.deepspeed_config import ZeroConfig
 
-__all__ = ["MIB", "communicators", "reserved_bytes", "round_block", "round_segment"]
+__all__ = ["MIB", "communicators", "release_under_pressure", "required_bytes", "reserved_bytes", "round_block",
+           "round_segment"]
 
 MIB = 1 << 20
 _MIN_BLOCK = 512  # kMinBlockSize
@@ -60,25 +68,60 @@ def communicators(zero: ZeroConfig, stage: int, n_gpus: int = 2) -> int:
     return n
 
 
+def _default_pool(live_by_phase: dict[str, int], side_pools: dict[str, dict[str, int]], slack: float,
+                  step_transient: int) -> int:
+    """The default stream's pool: its forward/backward maximum with the split-segment slack, and the
+    step's large new blocks (``step_transient``: the flat fp32 gradient, its casts, the optimizer's
+    temporaries, each one block of up to GBs) mapped in new segments on top: they are bigger than any
+    freed activation block, so the best-fit lookup (``get_free_block``) finds none (``alloc_block``)."""
+    default = {p: live_by_phase[p] - sum(pool.get(p, 0) for pool in side_pools.values()) for p in live_by_phase}
+    before_step = max((v for p, v in default.items() if p != "step"), default=0)
+    return max(int(before_step * (1 + slack)) + step_transient, int(default.get("step", 0) * (1 + slack)))
+
+
 def reserved_bytes(live_by_phase: dict[str, int], side_pools: dict[str, dict[str, int]], *,
                    fragmentation_fraction: float, expandable_segments: bool = False,
                    step_transient: int = 0) -> tuple[int, int, dict[str, int]]:
     """(allocated, reserved, {side pool: its maximum}) from the live bytes per phase and, per side
     stream, the part of them allocated on it.
 
-    reserved = the default-stream pool + each side pool at its own maximum, in 2 MiB units. The
-    default pool keeps the segments of its forward/backward maximum (plus the split-segment
-    slack); the optimizer step's large new blocks (``step_transient``: the flat fp32 gradient, its
-    casts, the optimizer's temporaries, each one block of up to GBs) are bigger than any freed
-    activation block, so the allocator's best-fit lookup (``get_free_block``) finds none and maps
-    new segments for them (``alloc_block``) on top of what is cached.
+    reserved = the default-stream pool (``_default_pool``) + each side pool at its own maximum, in
+    2 MiB units, while nothing forces the allocator to release cached segments.
     """
     allocated = max(live_by_phase.values())
-    default = {p: live_by_phase[p] - sum(pool.get(p, 0) for pool in side_pools.values()) for p in live_by_phase}
     side = {name: max(pool.values(), default=0) for name, pool in side_pools.items()}
     slack = 0.0 if expandable_segments else fragmentation_fraction
-    before_step = max((v for p, v in default.items() if p != "step"), default=0)
-    default_pool = max(int(before_step * (1 + slack)) + (0 if expandable_segments else step_transient),
-                       int(default.get("step", 0) * (1 + slack)))
+    default_pool = _default_pool(live_by_phase, side_pools, slack, 0 if expandable_segments else step_transient)
     reserved = round_segment(default_pool) + sum(round_segment(v) for v in side.values())
     return allocated, max(reserved, round_segment(allocated)), side
+
+
+def required_bytes(live_by_phase: dict[str, int], side_pools: dict[str, dict[str, int]], *,
+                   fragmentation_fraction: float, expandable_segments: bool = False, step_transient: int = 0,
+                   step_pinned: bool = False) -> int:
+    """What the allocator holds at the worst moment once every free cached segment is released: the
+    largest phase's live bytes plus the split-segment slack, in 2 MiB units — no per-stream pool
+    maxima and, where the activation segments are free by the step, no step segments stacked on them.
+
+    ``step_pinned``: the gradients the step reads were allocated by autograd during backward
+    (``AccumulateGrad``: ``p.grad`` kept to the step, as FP16_Optimizer and ZeRO stage 1 do), so
+    best-fit placed them in freed activation blocks and those segments stay split, not releasable:
+    the step's new segments then stack on the default pool as in ``reserved_bytes``. Stages 2–3 copy
+    each gradient into buffers allocated outside the activations (the ipg bucket at init, the
+    partition's whole-size buffer) and free ``p.grad``, so the activation segments empty.
+    """
+    slack = 0.0 if expandable_segments else fragmentation_fraction
+    need = int(max(live_by_phase.values()) * (1 + slack))
+    if step_pinned and not expandable_segments:
+        need = max(need, _default_pool(live_by_phase, side_pools, slack, step_transient))
+    return round_segment(need)
+
+
+def release_under_pressure(reserved: int, required: int, outside_bytes: int, capacity_bytes: int | None) -> int:
+    """The reserved bytes on a card of ``capacity_bytes`` with ``outside_bytes`` held outside PyTorch
+    (CUDA context, NCCL): the cached figure while it fits; else the allocator frees cached segments on
+    a failed cudaMalloc and retries (CUDACachingAllocator.cpp ``malloc``), so its cache tops out at
+    the card's free memory and only ``required`` beyond it is an OOM."""
+    if capacity_bytes is None or reserved + outside_bytes <= capacity_bytes:
+        return reserved
+    return max(required, capacity_bytes - outside_bytes)

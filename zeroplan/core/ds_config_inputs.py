@@ -13,6 +13,8 @@ from typing import Any
 from zeroplan._util import InputError, read_text_file
 from zeroplan.specs.config_lines import find_key_line, key_lines
 from zeroplan.specs.deepspeed_config import DEEPSPEED_VERSION, ZEROPLAN_KEY, DSConfig
+from zeroplan.specs.ds_schema import ActivationCheckpointingConfig
+from zeroplan.specs.training import ACTIVATION_IMPLS
 
 __all__ = ["CHECKPOINTING", "optimizer_impl_from_config", "grad_accum_dtype_from_config", "planning_metadata",
            "annotate_ds_config", "refuse_ds_errors"]
@@ -63,13 +65,15 @@ def grad_accum_dtype_from_config(ds: DSConfig | None, where: str) -> str | None:
 # DeepSpeed 0.19.8 ignores top-level keys it does not know (DeepSpeedConfig._initialize_params
 # reads known keys with get_scalar_param and never rejects extras; tests/test_cli_options.py
 # constructs DeepSpeedConfig on an emitted file to prove it). zeroplan stores there what it
-# assumed and DeepSpeed cannot express: sequence length, checkpointing, flash attention.
+# assumed and DeepSpeed cannot express: sequence length, checkpointing, flash attention, and which code
+# computes the activations (``activations``: transformers or megatron; core/activations.py).
 
 _META_CHECKS = {
     "seq_len": ("a positive integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 10**8),
     "checkpointing": ("none, selective or full", lambda v: v in CHECKPOINTING),
     "flash_attention": ("true or false", lambda v: isinstance(v, bool)),
     "finetune": ("an object of fine-tuning options", lambda v: isinstance(v, dict)),
+    "activations": (" or ".join(ACTIVATION_IMPLS), lambda v: v in ACTIVATION_IMPLS),
 }
 
 
@@ -112,9 +116,10 @@ def annotate_ds_config(config: dict[str, Any], *, seq_len: int, checkpointing: s
     the block configures checkpointing but does not switch it on, and cannot say "selective")."""
     out = dict(config)
     if checkpointing == "full" and "activation_checkpointing" not in out:
-        out["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
-                                           "contiguous_memory_optimization": False,
-                                           "synchronize_checkpoint_boundary": False}
+        defaults = ActivationCheckpointingConfig()  # DeepSpeed's defaults, written once (specs/ds_schema.py)
+        out["activation_checkpointing"] = {k: getattr(defaults, k) for k in (
+            "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+            "synchronize_checkpoint_boundary")}
     out[ZEROPLAN_KEY] = {
         "seq_len": seq_len, "checkpointing": checkpointing, "flash_attention": flash_attention,
         "planned_for": {"model": model, "hardware": hardware, "gpus": n_gpus},

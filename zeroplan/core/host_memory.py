@@ -48,11 +48,19 @@ def pinned_block(n: int) -> int:
 
 
 def host_memory(layout: Layout, training: TrainingSetup, zero: ZeroConfig, stage: int, *, off_opt: str, off_par: str,
-                gpus_per_node: int, master_bytes: int, grad_bytes: int) -> HostMemory:
-    """Host RAM (pinned and pageable) and NVMe per rank and per node for the plan's offload."""
+                gpus_per_node: int, master_bytes: int, grad_bytes: int, activation_host_bytes: int = 0) -> HostMemory:
+    """Host RAM (pinned and pageable) and NVMe per rank and per node for the plan's offload.
+
+    ``activation_host_bytes``: layer checkpoints DeepSpeed's ``cpu_checkpointing`` keeps on the host
+    (core/activations_megatron.py), pageable: checkpointing.py ``partition_activations`` copies them
+    with ``.cpu()`` or into buffers made by ``new_empty(device=cpu)``, neither pinned.
+    """
     host = HostMemory()
     pinned: set[str] = set()
     pageable: set[str] = set()
+    if activation_host_bytes:
+        host.detail["activation_checkpoints"] = activation_host_bytes
+        pageable.add("activation_checkpoints")
     b_g = grad_bytes
     part = layout.partition_12 if stage in (1, 2) else layout.partition_3
     opt_pin = bool(zero.offload_optimizer.pin_memory)

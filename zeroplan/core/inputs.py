@@ -225,6 +225,24 @@ def _training_setup(*, precision: str | None, optimizer: str | None, micro_batch
     return training
 
 
+def _activation_code(training: TrainingSetup, meta: dict[str, Any], ds: DSConfig | None, ds_config: str | None,
+                     assumptions: list[str]) -> TrainingSetup:
+    """Which code computes the activations (the config's ``zeroplan.activations``, else transformers) and,
+    for Megatron-LM, DeepSpeed's ``activation_checkpointing`` block, which it calls through
+    ``deepspeed.checkpointing`` (transformers' checkpointing does not read the block)."""
+    impl = meta.get("activations", training.activation_impl)
+    if impl == training.activation_impl:
+        return training
+    ac = ds.activation_checkpointing if ds is not None else None
+    assumptions.append(f"activations of {impl} (from {ds_config}: {ZEROPLAN_KEY}.activations)"
+                       + (f"; DeepSpeed activation checkpointing: partition_activations {ac.partition_activations}, "
+                          f"cpu_checkpointing {ac.cpu_checkpointing}" if ac is not None else ""))
+    return training.model_copy(update={
+        "activation_impl": impl,
+        "cpu_checkpointing": bool(ac and ac.cpu_checkpointing),
+        "partition_activations": bool(ac and ac.partition_activations)})
+
+
 def _load_config(ds_config: str | None, *, strict: bool, spec: ModelSpec, precision: str | None,
                  micro_batch: int | None, grad_accum: int | None, n_gpus: int) -> DSConfig | None:
     """The DeepSpeed config read as DeepSpeed would see it on this cluster (None: no config)."""
@@ -331,6 +349,7 @@ def build_plan_inputs(
                                flash_attention=flash_attention, optimizer_impl=optimizer_impl,
                                expandable_segments=expandable_segments, ds=ds, ds_config=ds_config,
                                assumptions=assumptions)
+    training = _activation_code(training, meta, ds, ds_config, assumptions)
 
     stages = _stages(stage_list, ds)
     if spec.approximate:

@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.activations import ActivationBreakdown, activation_memory
-from zeroplan.core.allocator import communicators, reserved_bytes
+from zeroplan.core.allocator import communicators, release_under_pressure, required_bytes, reserved_bytes
 from zeroplan.core.finetune import FineTuneViews
 from zeroplan.core.host_memory import HostMemory, host_memory
 from zeroplan.core.layout import Layout, zero_layout
@@ -86,7 +86,8 @@ class MemoryBreakdown(BaseModel):
     activations: int  # at the peak phase
     overhead: int  # peak - allocated: allocator pools and slack, CUDA context, NCCL
     allocated: int  # what torch.cuda.max_memory_allocated would show
-    reserved: int  # the caching allocator's segments (torch.cuda.max_memory_reserved)
+    reserved: int  # the caching allocator's segments (torch.cuda.max_memory_reserved), at most what the card leaves
+    required: int = 0  # what the allocator cannot release at the worst moment (core/allocator.py required_bytes)
     peak: int  # reserved + CUDA context + NCCL: what the device holds (nvidia-smi); fits/OOM use this
     peak_phase: str
     peak_reason: str
@@ -143,21 +144,32 @@ def _reason(phases: dict[str, PhaseMemory], peak_phase: str, live_peak: int, sta
 
 
 def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingSetup,
-                    overhead: dict[str, Any] | None, n_comm: int,
-                    notes: list[str]) -> tuple[int, int, dict[str, int], dict[str, int]]:
-    """(allocated, reserved, side pools, overhead detail): the caching allocator's view of the
-    phases (core/allocator.py) plus the CUDA context and NCCL per communicator from the profile."""
+                    overhead: dict[str, Any] | None, n_comm: int, gpu_memory_bytes: int | None,
+                    step_pinned: bool, notes: list[str]) -> tuple[int, int, int, dict[str, int], dict[str, int]]:
+    """(allocated, reserved, required, side pools, overhead detail): the caching allocator's view of
+    the phases (core/allocator.py) plus the CUDA context and NCCL per communicator from the profile;
+    on a card of ``gpu_memory_bytes`` the cache gives way before an OOM (``release_under_pressure``)."""
     frag = float(overhead.get("fragmentation_fraction", 0.0)) if overhead else 0.0
+    live = {p: phases[p].peak for p in PHASES}
     allocated, reserved, side = reserved_bytes(
-        {p: phases[p].peak for p in PHASES}, pb.side, fragmentation_fraction=frag,
+        live, pb.side, fragmentation_fraction=frag,
         expandable_segments=training.expandable_segments, step_transient=pb.step_transient)
-    od: dict[str, int] = {"allocator": reserved - allocated}
+    required = required_bytes(live, pb.side, fragmentation_fraction=frag,
+                              expandable_segments=training.expandable_segments, step_transient=pb.step_transient,
+                              step_pinned=step_pinned)
+    required = min(required, reserved)  # what cannot be released is at most what is cached
+    od: dict[str, int] = {}
     if overhead:
         od["cuda_context"] = int(overhead.get("cuda_context_bytes", 0))
         od["nccl"] = int(overhead.get("nccl_bytes", 0)) * n_comm
     else:
         notes.append("no hardware profile: CUDA context and NCCL buffers are not included; no allocator slack")
-    return allocated, reserved, side, od
+    capped = release_under_pressure(reserved, required, sum(od.values()), gpu_memory_bytes)
+    if capped != reserved:
+        notes.append(f"the allocator's cache ({reserved / 2**30:.2f} GiB) would outgrow the card: PyTorch frees cached "
+                     f"segments on a failed cudaMalloc and retries, so it fills the card and needs "
+                     f"{required / 2**30:.2f} GiB it cannot release (core/allocator.py)")
+    return allocated, capped, required, side, {"allocator": capped - allocated, **od}
 
 
 def _finetune_param_bytes(ft: FineTuneViews, layout: Layout, trainable_bytes: int, b_p: int, stage: int) -> int:
@@ -195,6 +207,7 @@ def memory_for_stage(
     flavour: str = "deepspeed",
     finetune: FineTuneViews | None = None,
     train_layout: Layout | None = None,
+    gpu_memory_bytes: int | None = None,
 ) -> MemoryBreakdown:
     """Per-GPU memory for ``zero.stage`` on ``n_gpus`` data-parallel GPUs.
 
@@ -206,6 +219,8 @@ def memory_for_stage(
     ``finetune`` (core/finetune.py): frozen weights and adapters; ``layout`` then holds every
     parameter (what stage 3 partitions and gathers) and ``train_layout`` the trainable ones
     (gradients, optimizer states, buckets, offload).
+    ``gpu_memory_bytes``: the card's memory; where the cache would outgrow it the allocator releases
+    cached segments (core/allocator.py ``release_under_pressure``). None: the cache is not capped.
     """
     zero = zero_or_default(zero)
     stage = int(zero.stage)
@@ -225,8 +240,6 @@ def memory_for_stage(
         params = _finetune_param_bytes(finetune, layout, params, training.precision.param_bytes, stage)
         notes.append(_finetune_note(finetune, stage))
     model_states = params + grads_end + opt
-    host = host_memory(tl, training, zero, stage, off_opt=off_opt, off_par=off_par, gpus_per_node=gpus_per_node,
-                       master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes)
 
     # ---- offload: what stays on the GPU ----
     gpu_params, gpu_opt, gpu_grads_end = params, opt, grads_end
@@ -246,12 +259,18 @@ def memory_for_stage(
     step_grads = gpu_grads_end if pb.step_grads is None else pb.step_grads
 
     act = activation_memory(spec, training, flavour=flavour)  # paper: Korthikanti; else the transformers trace
+    host = host_memory(tl, training, zero, stage, off_opt=off_opt, off_par=off_par, gpus_per_node=gpus_per_node,
+                       master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes,
+                       activation_host_bytes=act.host_checkpoints)
     phases = _phases(act, pb, gpu_params, gpu_opt, grads_fwd, gpu_grads_end, step_grads)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 
     # ---- the caching allocator, CUDA context, NCCL (core/allocator.py) ----
     n_comm = communicators(zero, stage, n_gpus)
-    allocated, reserved, side, od = _device_figures(phases, pb, training, overhead, n_comm, notes)
+    # p.grad from autograd kept to the step (FP16_Optimizer / no wrapper, ZeRO stage 1): core/allocator.py
+    step_pinned = sp.wrapper in ("fp16_optimizer", "basic", "unsupported") or (sp.wrapper == "zero" and stage == 1)
+    allocated, reserved, required, side, od = _device_figures(phases, pb, training, overhead, n_comm,
+                                                              gpu_memory_bytes, step_pinned, notes)
     peak = reserved + od.get("cuda_context", 0) + od.get("nccl", 0)
 
     gp = pb.gather_forward if peak_phase == "forward" else pb.gather_backward if peak_phase == "backward" else None
@@ -266,6 +285,7 @@ def memory_for_stage(
         overhead=peak - allocated,
         allocated=allocated,
         reserved=reserved,
+        required=required,
         peak=peak,
         peak_phase=peak_phase,
         peak_reason=_reason(phases, peak_phase, allocated, stage, gp, buffers, off_opt == "none"),

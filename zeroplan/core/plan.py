@@ -87,7 +87,8 @@ def evaluate(
     train_layout = None if finetune is None else zero_layout(finetune.trainable, n_gpus, zero)
     overhead = hardware.overhead.model_dump() if hardware is not None else None
     mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout,
-                           flavour=comm_model, finetune=finetune, train_layout=train_layout)
+                           flavour=comm_model, finetune=finetune, train_layout=train_layout,
+                           gpu_memory_bytes=int(hardware.gpu.memory_bytes) if hardware is not None else None)
     led_layout, led_train = ledger_layouts(layout, train_layout, stage)
     ledger: CommLedger = build_ledger(led_layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model,
                                       train_layout=led_train,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from zeroplan._util import InputError, read_text_file
+from zeroplan.specs.ds_activation_checkpointing import read_activation_checkpointing
 from zeroplan.specs.ds_batch_precision import _read_batch, _read_precision
 from zeroplan.specs.ds_findings import _fmt, _Reader
 from zeroplan.specs.ds_keys import _TOP_REMOVED, TOP_LEVEL_KEYS, ZEROPLAN_KEY
@@ -97,11 +98,12 @@ def load_ds_config(source: str | Path | dict, *, strict: bool = False,
     clipping = _read_clipping(r, raw)
     comm = _read_comm_dtype(r, raw)
     tb, mb, gas = _read_batch(r, raw, micro_batch, grad_accum, world_size)
+    act_ckpt = read_activation_checkpointing(r, raw)
     _check_hpz(r, zero, world_size)
     r.raise_if_strict()
     return DSConfig(
         path=path, raw=raw, zero=zero, precision=prec, precision_source=prec_source,
         optimizer_type=opt_type, optimizer_params=opt_params, gradient_clipping=clipping,
         train_batch_size=tb, micro_batch=mb, grad_accum=gas, communication_data_type=comm,
-        auto_resolved=r.auto, findings=r.findings,
+        activation_checkpointing=act_ckpt, auto_resolved=r.auto, findings=r.findings,
     )

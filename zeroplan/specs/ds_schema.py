@@ -24,6 +24,7 @@ __all__ = [
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "ZeroConfig",
+    "ActivationCheckpointingConfig",
     "DSConfig",
     "zero_or_default",
 ]
@@ -199,6 +200,22 @@ def zero_or_default(zero: ZeroConfig | None) -> ZeroConfig:
     ZeRO config take typed fields, so no default is written twice."""
     return ZeroConfig() if zero is None else zero
 
+class ActivationCheckpointingConfig(BaseModel):
+    """The top-level ``activation_checkpointing`` block with DeepSpeed 0.19.8's defaults
+    (deepspeed/runtime/activation_checkpointing/config.py ``ACT_CHKPT_*_DEFAULT``). It configures
+    ``deepspeed.checkpointing.checkpoint`` (checkpointing.py ``CheckpointFunction``), which a training
+    script must call itself (Megatron-LM's ``--deepspeed-activation-checkpointing`` does; transformers'
+    gradient checkpointing uses torch.utils.checkpoint and ignores the block)."""
+
+    model_config = ConfigDict(extra="ignore")
+    partition_activations: bool = False  # split each checkpoint across the model-parallel ranks
+    contiguous_memory_optimization: bool = False  # copy checkpoints into per-layer preallocated buffers
+    cpu_checkpointing: bool = False  # keep the checkpoints in host memory (with partition_activations)
+    number_checkpoints: int | None = None  # how many preallocated buffers (contiguous_memory_optimization)
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
 class DSConfig(BaseModel):
     """A DeepSpeed config as DeepSpeed 0.19.8 would see it, plus what zeroplan found in it.
 
@@ -221,6 +238,7 @@ class DSConfig(BaseModel):
     micro_batch: int | None = None
     grad_accum: int | None = None
     communication_data_type: str | None = None
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     auto_resolved: dict[str, Any] = Field(default_factory=dict)
     findings: list[Finding] = Field(default_factory=list)
 

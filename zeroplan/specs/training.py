@@ -22,6 +22,7 @@ __all__ = [
     "get_optimizer",
     "OPTIMIZER_IMPLS",
     "GRAD_ACCUM_DTYPES",
+    "ACTIVATION_IMPLS",
 ]
 
 # How the Adam step is executed on the GPU (what it allocates beside the states; core/memory_states.py):
@@ -31,6 +32,10 @@ __all__ = [
 #   torch-single   torch.optim.Adam/AdamW(foreach=False): one tensor at a time
 #   cpu-adam       DeepSpeedCPUAdam (optimizer offload): the step runs on the host
 OPTIMIZER_IMPLS = ("fused-adam", "torch-foreach", "torch-fused", "torch-single", "cpu-adam")
+# Which code computes the activations (core/activations.py):
+#   transformers  the model as transformers implements it (the shipped trace; the default)
+#   megatron      Megatron-LM's GPT-2 as DeepSpeedExamples ships it (core/activations_megatron.py)
+ACTIVATION_IMPLS = ("transformers", "megatron")
 # data_types.grad_accum_dtype (None = the model dtype, DeepSpeed's default)
 GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -112,6 +117,11 @@ class TrainingSetup(BaseModel):
     optimizer_impl: Literal["fused-adam", "torch-foreach", "torch-fused", "torch-single", "cpu-adam"] = "fused-adam"
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    activation_impl: Literal["transformers", "megatron"] = "transformers"
+    # DeepSpeed's activation_checkpointing.cpu_checkpointing: the layer checkpoints live in host memory
+    # (only where the script checkpoints through deepspeed.checkpointing: activation_impl "megatron")
+    cpu_checkpointing: bool = False
+    partition_activations: bool = False  # activation_checkpointing.partition_activations (copies each argument)
 
     @property
     def optimizer_bytes_per_param(self) -> float:

@@ -1,0 +1,71 @@
+"""The caching allocator under pressure (core/allocator.py ``required_bytes``, ``release_under_pressure``).
+
+Mechanism: c10/cuda/CUDACachingAllocator.cpp ``DeviceCachingAllocator::malloc`` — when no cached
+block fits and ``alloc_block`` (cudaMalloc) fails, it calls ``release_available_cached_blocks`` and
+then ``release_cached_blocks`` (every free segment no live block sits in, of every stream's pool)
+and retries before raising OOM. Expected values are arithmetic on the inputs, not outputs of the
+code under test.
+"""
+
+from __future__ import annotations
+
+from zeroplan.core.allocator import MIB, release_under_pressure, required_bytes, reserved_bytes
+from zeroplan.core.plan import evaluate
+from zeroplan.specs.deepspeed_config import load_ds_config
+from zeroplan.specs.hardware import load_profile
+from zeroplan.specs.model import load_model
+from zeroplan.specs.training import TrainingSetup, get_precision
+
+GIB = 1 << 30
+LIVE = {"forward": 20 * GIB, "backward": 24 * GIB, "step": 22 * GIB}
+SIDE = {"reduction": {"backward": 2 * GIB}}
+
+
+def test_required_is_the_worst_phase_with_its_slack_not_the_pools_stacked():
+    # pools stacked: default pool (backward 22 GiB without the side 2 GiB) * 1.5 + step 3 GiB, + side 2 GiB
+    _, reserved, _ = reserved_bytes(LIVE, SIDE, fragmentation_fraction=0.5, step_transient=3 * GIB)
+    assert reserved == 22 * GIB * 3 // 2 + 3 * GIB + 2 * GIB
+    # released and remapped: the backward's 24 GiB live bytes with their split-segment slack
+    assert required_bytes(LIVE, SIDE, fragmentation_fraction=0.5, step_transient=3 * GIB) == 36 * GIB
+
+
+def test_gradients_autograd_left_in_activation_segments_keep_the_step_stacked():
+    # step_pinned (FP16_Optimizer, ZeRO-1): the default pool's backward maximum cannot be released,
+    # so the step's new segments stack on it: 22 * 1.5 + 3 GiB = 36 GiB > the phase maximum 24 * 1.5
+    got = required_bytes(LIVE, SIDE, fragmentation_fraction=0.5, step_transient=13 * GIB, step_pinned=True)
+    assert got == 22 * GIB * 3 // 2 + 13 * GIB
+    assert required_bytes(LIVE, SIDE, fragmentation_fraction=0.5, step_transient=13 * GIB) == 36 * GIB
+
+
+def test_required_comes_in_whole_segments():
+    assert required_bytes({"step": 3 * MIB + 1}, {}, fragmentation_fraction=0.0) == 4 * MIB  # kRoundLarge 2 MiB
+
+
+def test_cache_gives_way_only_when_the_card_is_full():
+    card, outside = 32 * GIB, GIB
+    assert release_under_pressure(30 * GIB, 25 * GIB, outside, card) == 30 * GIB  # room: cached as is
+    assert release_under_pressure(34 * GIB, 25 * GIB, outside, card) == card - outside  # cache fills the card
+    assert release_under_pressure(34 * GIB, 33 * GIB, outside, card) == 33 * GIB  # cannot release enough: OOM
+    assert release_under_pressure(34 * GIB, 25 * GIB, outside, None) == 34 * GIB  # no card given
+
+
+def test_a_plan_whose_cache_outgrows_the_card_fits_and_fills_it():
+    # 10B GPT-2 shapes, ZeRO-2 on 32 GPUs, a 32 GiB card: cached pools would overflow, the live bytes fit
+    spec = load_model("tests/data/published/models/megatron-gpt2-10b.json")
+    ds = load_ds_config({"fp16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {}},
+                         "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 500000000}})
+    base = load_profile("hardware_profiles/dgx-a100-80gb.toml")
+    card = 32 * GIB
+    hw = base.model_copy(update={"gpu": base.gpu.model_copy(update={"memory_bytes": card})})
+    tr = TrainingSetup(precision=get_precision("fp16"), micro_batch=1, seq_len=1024, checkpointing="full",
+                       flash_attention=False)
+    plan = evaluate(model=spec, training=tr, zero=ds.zero, n_gpus=32, gpus_per_node=16, hardware=hw)
+    roomy = hw.model_copy(update={"gpu": hw.gpu.model_copy(update={"memory_bytes": 2 * card})})
+    cached = evaluate(model=spec, training=tr, zero=ds.zero, n_gpus=32, gpus_per_node=16, hardware=roomy).memory
+    m = plan.memory
+    outside = m.overhead_detail["cuda_context"] + m.overhead_detail["nccl"]
+    assert cached.reserved + outside > card  # the pools stacked would not fit on the card ...
+    assert m.required + outside <= card  # ... what cannot be released does
+    assert cached.allocated == m.allocated and cached.required == m.required
+    assert plan.fits and m.peak == card and m.reserved == card - outside
+    assert any("frees cached segments" in n for n in m.notes)

@@ -3,8 +3,6 @@ coordinates, the flat gradient buffer (``runtime/engine.py``'s docstring describ
 
 from __future__ import annotations
 
-from typing import Any
-
 from zeroplan.runtime.engine_strategy import StageStrategy
 from zeroplan.runtime.engine_util import STAGE0_BUCKET_ELEMS, greedy_buckets, greedy_buckets_after
 

@@ -171,9 +171,6 @@ class ZeroEngine:
         self.device = self.params[0].device
         self.mimic = resolve_mimic(mimic, self.device.type)
         self.fused_adam = self.mimic == "deepspeed-cuda"
-        # stage 1, DeepSpeed on CUDA: per-param grads freed into the bucket, grads_in_partition kept
-        self.ds_stage1_grads = (self.mimic == "deepspeed-cuda" and self.stage == 1 and self.ds
-                                and self.contiguous and not self.offload)
         self.host = torch.device("cpu")
         self.numels = [p.numel() for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]

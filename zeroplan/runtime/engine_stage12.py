@@ -17,6 +17,8 @@ from zeroplan.runtime.engine_util import ceil_div, grad_span
 class Stage12Strategy(BucketReduce12, GradHooks, FlatLayout, StageStrategy):
     """What stages 1 and 2 share; ``Stage1Strategy`` and ``Stage2Strategy`` hold their differences."""
 
+    ds_stage1_grads = False  # Stage1Strategy: DeepSpeed's per-parameter gradients on CUDA
+
     def _bucket_order(self) -> str:
         """The order gradients are bucketed in: reverse (gradient-ready) unless a subclass says otherwise."""
         return "reverse"
@@ -116,6 +118,12 @@ class Stage1Strategy(Stage12Strategy):
     With ``ds_stage1_grads`` (DeepSpeed on CUDA, contiguous gradients, no offload) the per-parameter
     gradients are kept instead, freed into the bucket as it is reduced, and the owned slices land in
     ``grads_in_partition`` (stage_1_and_2.py copy_grads_in_partition)."""
+
+    def setup(self) -> None:
+        # DeepSpeed on CUDA (contiguous gradients, no offload): per-param grads freed into the bucket,
+        # grads_in_partition kept
+        self.ds_stage1_grads = self.mimic == "deepspeed-cuda" and self.ds and self.contiguous and not self.offload
+        super().setup()
 
     def _bucket_order(self) -> str:
         # without overlap_comm stage 1 reduces after backward in parameter order; hooks give reverse order

@@ -25,7 +25,7 @@ SHARED_FIELDS = (
     "torch", "model", "zero", "comm", "meter", "stage", "ds", "grad_accum", "precision", "dtype",
     "lr", "betas", "eps", "wd", "n", "rank", "rbs", "overlap", "offload", "contiguous", "reduce_scatter_cfg",
     "multi_rank", "mixed", "units", "params", "names", "frozen", "device", "host", "mimic", "fused_adam",
-    "ds_stage1_grads", "numels", "shapes", "psi", "_opt_dev", "_hooks")
+    "numels", "shapes", "psi", "_opt_dev", "_hooks")
 
 
 class StageStrategy(EngineBase, ABC):

@@ -241,22 +241,21 @@ def test_deepspeed_cuda_stage1_frees_full_gradients_and_the_flat_partition():
     e_d, loss_d, states_d, peaks_d, params_d = _train("deepspeed-cuda", 1)
     assert loss_p == loss_d and all(torch.equal(a, b) for a, b in zip(params_p, params_d))
     # at the step only grads_in_partition is left: the whole params overlapping rank 0's slice
-    lo, hi = grad_span(e_d.numels, e_d.part_lo, e_d.part_lo + e_d.part_n)
-    assert states_d["gradients"] == 2 * (hi - lo) < states_p["gradients"] == 2 * e_p.padded
+    s_d, s_p = e_d.strategy, e_p.strategy  # the stage-1 strategy owns the partition layout
+    lo, hi = grad_span(e_d.numels, s_d.part_lo, s_d.part_lo + s_d.part_n)
+    assert states_d["gradients"] == 2 * (hi - lo) < states_p["gradients"] == 2 * s_p.padded
     # the step no longer stacks the bit16 flat copy and a group-sized fp32 temporary
     saved = peaks_p["step"]["peak"] - peaks_d["step"]["peak"]
-    assert saved >= 2 * e_d.part_n + 4 * e_d.part_n
+    assert saved >= 2 * s_d.part_n + 4 * s_d.part_n
 
 
-def test_fused_adam_chunks_match_the_unchunked_update_bit_for_bit():
-    from zeroplan.runtime import engine as eng
+def test_fused_adam_chunks_match_the_unchunked_update_bit_for_bit(monkeypatch):
+    from zeroplan.runtime import engine_base
 
-    old = eng.FUSED_ADAM_CHUNK
-    eng.FUSED_ADAM_CHUNK = 1000  # force several chunks on the small model
-    try:
-        _, loss_d, _, peaks_d, params_d = _train("deepspeed-cuda", 2, n=1, precision="fp32")
-    finally:
-        eng.FUSED_ADAM_CHUNK = old
+    # force several chunks on the small model; engine_base is the module whose AdamW reads the constant
+    monkeypatch.setattr(engine_base, "FUSED_ADAM_CHUNK", 1000)
+    _, loss_d, _, peaks_d, params_d = _train("deepspeed-cuda", 2, n=1, precision="fp32")
+    monkeypatch.undo()
     _, loss_p, _, peaks_p, params_p = _train("planner", 2, n=1, precision="fp32")
     assert loss_p == loss_d and all(torch.equal(a, b) for a, b in zip(params_p, params_d))
     assert peaks_d["step"]["peak"] < peaks_p["step"]["peak"]

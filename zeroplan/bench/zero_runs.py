@@ -40,19 +40,10 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
         if nproc > torch.cuda.device_count():  # rank % device_count would put two ranks on one GPU
             raise InputError(f"--nproc {nproc}: NCCL needs one GPU per rank, this machine has "
                              f"{torch.cuda.device_count()}")
-    runs = []
-    buckets: dict[str, dict[str, int]] = {}
-    for st in stages:
-        zero = _zero_config(st, ds)
-        if zero_overrides:
-            zero = zero.model_copy(update=zero_overrides)
-        if bucket_scale is not None and bucket_scale < 1:
-            zero, scaled = scale_buckets(zero, bucket_scale, user_zero_keys(ds) | set(zero_overrides or {}))
-            buckets.update(scaled)
-        runs.append({"zero": zero, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len,
-                     "grad_accum": grad_accum, "warmup": max(warmup, 2 if st == 3 else warmup), "steps": steps,
-                     "comm_model": comm_model, "memory_limit_bytes": memory_limit_bytes, "fault": fault,
-                     "checkpointing": checkpointing, "finetune": finetune})
+    common = {"precision": precision, "micro_batch": micro_batch, "seq_len": seq_len, "grad_accum": grad_accum,
+              "steps": steps, "comm_model": comm_model, "memory_limit_bytes": memory_limit_bytes, "fault": fault,
+              "checkpointing": checkpointing, "finetune": finetune}
+    runs, buckets = _stage_runs(stages, ds, zero_overrides, bucket_scale, warmup, common)
     failures = []
     world = nproc
     _preload_dispatch()
@@ -113,6 +104,23 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
         report["stages"].append(entry)
     report["ok"] = ok
     return report
+
+
+def _stage_runs(stages: list[int], ds: Any, zero_overrides: dict[str, Any] | None, bucket_scale: float | None,
+                warmup: int, common: dict[str, Any]) -> tuple[list[dict], dict[str, dict[str, int]]]:
+    """One run per stage (its ZeRO config: ``ds``, then the overrides, then the scaled buckets the user did
+    not set; stage 3 warms up at least 2 steps) and the buckets that were scaled."""
+    runs = []
+    buckets: dict[str, dict[str, int]] = {}
+    for st in stages:
+        zero = _zero_config(st, ds)
+        if zero_overrides:
+            zero = zero.model_copy(update=zero_overrides)
+        if bucket_scale is not None and bucket_scale < 1:
+            zero, scaled = scale_buckets(zero, bucket_scale, user_zero_keys(ds) | set(zero_overrides or {}))
+            buckets.update(scaled)
+        runs.append({"zero": zero, **common, "warmup": max(warmup, 2 if st == 3 else warmup)})
+    return runs, buckets
 
 
 def _oom_finding(st: int, ooms: list[dict], plan: Any) -> dict:

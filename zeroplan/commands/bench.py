@@ -136,8 +136,6 @@ def collectives(
         BenchConfig,
         add_predictions,
         parse_size,
-        run_collectives,
-        save_profile_from_report,
         validate_config,
         write_report_json,
     )
@@ -162,20 +160,7 @@ def collectives(
         hw_profile = load_profile(hardware)  # fail on a bad profile before running anything
     show_progress = not json_out and sys.stdout.isatty() and not under_torchrun()
     try:
-        if show_progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            with Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=err_console(), transient=True) as prog:
-                task = prog.add_task("sweep", total=None)
-
-                def on_progress(done: int, total: int) -> None:
-                    prog.update(task, completed=done, total=total)
-
-                report = run_collectives(cfg, nproc=nproc, backend=backend, timeout_s=timeout,
-                                         on_progress=on_progress)
-        else:
-            report = run_collectives(cfg, nproc=nproc, backend=backend, timeout_s=timeout)
+        report = _run_sweep(cfg, nproc, backend, timeout, show_progress)
     except RankError as exc:
         fail(f"bench collectives: {exc}", 1)
         return
@@ -184,17 +169,7 @@ def collectives(
     if hw_profile is not None:
         add_predictions(report, hw_profile)
     if save_profile is not None:
-        try:
-            report.fit = save_profile_from_report(report, save_profile, hardware)
-            report.profile = save_profile
-        except InputError as exc:  # the measured times cannot be fitted (base and path were checked first)
-            reason = str(exc).removeprefix("--save-profile: ")
-            err_console().print(f"warning: --save-profile: {reason}; no profile written", markup=False,
-                                highlight=False, soft_wrap=True)
-            save_profile = None
-        for tier, f in report.fit.items():
-            if f.get("warning"):
-                err_console().print(f"[yellow]warning:[/] {f['warning']}", markup=True)
+        save_profile = _save_fitted_profile(report, save_profile, hardware)
     if output is not None:
         write_report_json(report, output)
     if json_out:
@@ -205,6 +180,43 @@ def collectives(
             for tier, f in report.fit.items():
                 console().print(f"{tier} ({f['link_name']}): latency {f['latency_us']:.1f} µs, bandwidth "
                                 f"{f['bandwidth_GBps']:.3f} GB/s (R² {f['r2']:.3f}) → {save_profile}")
+
+
+def _run_sweep(cfg: Any, nproc: int, backend: str, timeout: float, show_progress: bool) -> Any:
+    """``run_collectives``, with a progress bar on stderr when ``show_progress``."""
+    from zeroplan.bench.collectives import run_collectives
+
+    if not show_progress:
+        return run_collectives(cfg, nproc=nproc, backend=backend, timeout_s=timeout)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console(), transient=True) as prog:
+        task = prog.add_task("sweep", total=None)
+
+        def on_progress(done: int, total: int) -> None:
+            prog.update(task, completed=done, total=total)
+
+        return run_collectives(cfg, nproc=nproc, backend=backend, timeout_s=timeout, on_progress=on_progress)
+
+
+def _save_fitted_profile(report: Any, save_profile: str, hardware: str | None) -> str | None:
+    """--save-profile: the fitted link tier(s) written (and recorded in ``report``); the path, or None
+    with a warning when the measured times cannot be fitted."""
+    from zeroplan.bench.collectives import save_profile_from_report
+
+    try:
+        report.fit = save_profile_from_report(report, save_profile, hardware)
+        report.profile = save_profile
+    except InputError as exc:  # the measured times cannot be fitted (base and path were checked first)
+        reason = str(exc).removeprefix("--save-profile: ")
+        err_console().print(f"warning: --save-profile: {reason}; no profile written", markup=False,
+                            highlight=False, soft_wrap=True)
+        save_profile = None
+    for f in report.fit.values():
+        if f.get("warning"):
+            err_console().print(f"[yellow]warning:[/] {f['warning']}", markup=True)
+    return save_profile
 
 
 @bench_app.command("zero")

@@ -86,35 +86,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroplan.runtime.engine_base import EngineBase
-from zeroplan.runtime.engine_flat import FlatStages
+from zeroplan.runtime.engine_flat import Stage0Strategy
 from zeroplan.runtime.engine_frozen import split_frozen
 from zeroplan.runtime.engine_gather import _LazyPreBackward, _make_pre_backward, _PreBackward  # noqa: F401
-from zeroplan.runtime.engine_gather import Stage3Gather
-from zeroplan.runtime.engine_hooks import GradHooks
-from zeroplan.runtime.engine_reduce12 import BucketReduce12
-from zeroplan.runtime.engine_stage3 import Stage3Setup
+from zeroplan.runtime.engine_stage3 import Stage3Strategy
+from zeroplan.runtime.engine_stage12 import Stage1Strategy, Stage2Strategy
+from zeroplan.runtime.engine_strategy import StageStrategy
 from zeroplan.runtime.engine_util import (  # noqa: F401 - re-exported: zeroplan.runtime.engine keeps its names
     FUSED_ADAM_CHUNK, MIMICS, STAGE0_BUCKET_ELEMS, StepResult, _scalar, ceil_div, grad_span, greedy_buckets,
     greedy_buckets_after, resolve_mimic)
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 
 __all__ = ["ZeroEngine", "StepResult", "ceil_div", "greedy_buckets", "grad_span", "MIMICS", "FUSED_ADAM_CHUNK",
-           "resolve_mimic"]
+           "resolve_mimic", "STRATEGIES", "StageStrategy"]
+
+# the stage family's implementation, chosen once in ZeroEngine.__init__ (engine_strategy.py: the interface)
+STRATEGIES: dict[int, type[StageStrategy]] = {
+    0: Stage0Strategy, 1: Stage1Strategy, 2: Stage2Strategy, 3: Stage3Strategy}
 
 
-class ZeroEngine(Stage3Gather, Stage3Setup, GradHooks, BucketReduce12, FlatStages, EngineBase):
+class ZeroEngine:
     """ZeRO stages 0-3 over ``model`` (parameters in forward order), collectives through ``comm``.
 
     ``zero``: a ``zeroplan.specs.ds_schema.ZeroConfig``, or None for DeepSpeed's defaults
     (``zero_or_default``: each default is written once, in the schema). ``meter``: a
     ``zeroplan.runtime.memory`` meter (tags + phases) or None.
 
-    The stage-specific work lives in the mixins (one concern per module): ``engine_flat`` (stages
-    0-2: flat buffer, buckets, partition, step), ``engine_reduce12`` (stage 1-2 bucket reduction),
-    ``engine_hooks`` (gradient-ready hooks, stages 2-3), ``engine_stage3`` (stage-3 setup and step),
-    ``engine_gather`` (stage-3 gather/release/reduce-scatter), ``engine_base`` (allocation, AdamW).
-    This class holds the configuration and the training step, and dispatches on the stage.
+    The configuration every stage shares is resolved here once; the stage's buffers and schedule live
+    in ``self.strategy`` (``STRATEGIES[stage]``, interface ``engine_strategy.StageStrategy``), which
+    the training step calls without branching on the stage.
     """
 
     def __init__(self, model: Any, zero: ZeroConfig | None, *, precision: str = "fp32", optimizer: str = "adamw",
@@ -171,107 +171,48 @@ class ZeroEngine(Stage3Gather, Stage3Setup, GradHooks, BucketReduce12, FlatStage
         self.device = self.params[0].device
         self.mimic = resolve_mimic(mimic, self.device.type)
         self.fused_adam = self.mimic == "deepspeed-cuda"
-        # stage 1, DeepSpeed on CUDA: per-param grads freed into the bucket, grads_in_partition kept
-        self.ds_stage1_grads = (self.mimic == "deepspeed-cuda" and self.stage == 1 and self.ds
-                                and self.contiguous and not self.offload)
         self.host = torch.device("cpu")
         self.numels = [p.numel() for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.psi = sum(self.numels)
         self._opt_dev = self.host if self.offload else self.device
         self._hooks: list[Any] = []
-        if self.stage < 3:
-            for p in self.frozen:  # held whole, as the module holds them
-                self._tag(p.data, "params")
-        [self._setup0, self._setup12, self._setup12, self._setup3][self.stage]()
+        self.strategy: StageStrategy = STRATEGIES[self.stage](self)
 
     def train_step(self, batches: list[Any]) -> StepResult:
         """One optimizer step over ``len(batches)`` (= grad_accum) micro-batches of input ids."""
-        torch = self.torch
         if len(batches) != self.grad_accum:
             raise ValueError(f"train_step: got {len(batches)} micro-batches, grad_accum is {self.grad_accum}")
+        strategy = self.strategy
         total_loss = 0.0
         for mb in batches:
-            self.meter.phase = "forward"
-            self.comm.phase = "forward"
-            if self.stage == 3:
-                self.unit_seen = [0] * len(self.unit_params)
+            self._phase("forward")
+            strategy.before_forward()
             loss = self.model(mb)
-            self.meter.phase = "backward"
-            self.comm.phase = "backward"
-            self._before_backward()
+            self._phase("backward")
+            strategy.before_backward()
             (loss / self.grad_accum).backward()
             total_loss += _scalar(loss)
             del loss
-            self._after_backward()
+            strategy.after_backward()
             self.micro_step += 1
-        self._boundary()
-        self.meter.phase = "step"
-        self.comm.phase = "step"
+        strategy.boundary()
+        self._phase("step")
         states = self._model_state_snapshot()
-        self._optimizer_step()
+        with self.torch.no_grad():
+            strategy.step()
         self.step_count += 1
-        self.meter.phase = "forward"
-        self.comm.phase = "forward"
+        self._phase("forward")
         return StepResult(loss=total_loss / len(batches), model_states=states)
+
+    def _phase(self, name: str) -> None:
+        """The phase the meter's peaks and the comm's records are attributed to."""
+        self.meter.phase = name
+        self.comm.phase = name
 
     def _model_state_snapshot(self) -> dict[str, int]:
         cur = self.meter.current_by_category()
         return {k: cur.get(k, 0) for k in ("params", "gradients", "optimizer_states")}
-
-    def _before_backward(self) -> None:
-        if self.stage == 0:
-            self._attach_flat_grads(self.psi)
-        elif self.stage == 1 and not self.ds_stage1_grads:
-            self._attach_flat_grads(self.padded)
-        elif self.stage == 2 and self.ds:
-            self._alloc_ipg(2 if self.overlap else 1)
-            self._ipg_slot = 0
-            self._begin_backward_hooks()
-        elif self.stage == 3:
-            self._begin_backward_hooks()
-            self.unit_pending = [0] * len(self.unit_params)
-            for i in self.train:
-                self.unit_pending[self.unit_of_param[i]] += 1
-
-    def _after_backward(self) -> None:
-        if self.stage == 2:
-            if self.ds:
-                if self._ptr != len(self._order):
-                    raise RuntimeError("stage 2: some parameters received no gradient in backward")
-                self._drain()
-                self._free_ipg()
-            else:
-                self._paper_reduce_scatter_12(lambda i: self.params[i].grad.reshape(-1))
-                for p in self.params:
-                    p.grad = None
-        elif self.stage == 3:
-            if self._ptr != len(self._order):
-                raise RuntimeError("stage 3: some parameters received no gradient in backward")
-            self._release([i for i in range(len(self.params)) if self.live[i]])
-
-    def _boundary(self) -> None:
-        """Gradient reduction once per optimizer step (stages 0 and 1)."""
-        torch = self.torch
-        if self.stage == 0:
-            with torch.no_grad():
-                for lo, hi, ps in self.buckets:
-                    flat = self._tag(self.flat_grad[lo:hi].clone(), "buffers")  # flatten copy
-                    self.comm.all_reduce(flat)
-                    flat.div_(self.n)
-                    self.flat_grad[lo:hi].copy_(flat)
-                    del flat
-        elif self.ds_stage1_grads:
-            with torch.no_grad():
-                self._reduce_all_12(lambda i: self.params[i].grad.reshape(-1))
-        elif self.stage == 1:
-            with torch.no_grad():
-                fg = self.flat_grad
-                self._reduce_all_12(fg if not self.ds else (lambda i: fg[self.offsets[i]:self.offsets[i] + self.numels[i]]))
-
-    def _optimizer_step(self) -> None:
-        with self.torch.no_grad():
-            [self._step0, self._step12, self._step12, self._step3][self.stage]()
 
     def close(self) -> None:
         """Remove the hooks the engine installed on the model."""

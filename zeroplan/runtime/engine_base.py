@@ -10,7 +10,8 @@ from zeroplan.runtime.engine_util import FUSED_ADAM_CHUNK
 
 
 class EngineBase:
-    """Allocation and optimizer helpers; the attributes they read are set by ``ZeroEngine.__init__``."""
+    """Allocation and optimizer helpers of every ``StageStrategy`` (engine_strategy.py); the
+    configuration they read is the engine's (``SHARED_FIELDS``), the buffers the strategy's."""
 
     def _tag(self, t: Any, cat: str, host: bool = False) -> Any:
         return self.meter.tag(t, cat, host=host)
@@ -42,6 +43,14 @@ class EngineBase:
         m = self._tag(torch.zeros_like(master), "optimizer_states", host=host)
         v = self._tag(torch.zeros_like(master), "optimizer_states", host=host)
         return master, m, v
+
+    def _host_grad_part(self) -> Any:
+        """The bit16 gradient partition on the host (optimizer offload; pinned on CUDA)."""
+        with self._host():
+            t = self.torch.zeros(self.part_n, dtype=self.dtype, device=self.host)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return self._tag(t, "gradients", host=True)
 
     def _ready_order(self) -> list[int]:
         """Trainable parameters in gradient-ready (reverse forward) order."""

@@ -1,42 +1,31 @@
-"""Stages 0-2: the flat parameter buffer, its gradient buckets and gradient partition, and their
-optimizer step (split out of ``runtime/engine.py``, whose docstring describes the schedule)."""
+"""Stage 0 and the flat parameter buffer it shares with stages 1-2: layout, gradient buckets in flat
+coordinates, the flat gradient buffer (``runtime/engine.py``'s docstring describes the schedule)."""
 
 from __future__ import annotations
 
-from typing import Any
+from zeroplan.runtime.engine_strategy import StageStrategy
+from zeroplan.runtime.engine_util import STAGE0_BUCKET_ELEMS, greedy_buckets, greedy_buckets_after
 
-from zeroplan.runtime.engine_util import STAGE0_BUCKET_ELEMS, ceil_div, grad_span, greedy_buckets, greedy_buckets_after
 
+class FlatLayout:
+    """The params as views into one flat buffer (stages 0-2); frozen params stay whole, outside it."""
 
-class FlatStages:
-    """Stages 0, 1 and 2 over one flat buffer."""
-
-    def _setup0(self) -> None:
+    def _flatten_params(self, size: int, zero: bool) -> None:
+        """``flat_param`` of ``size`` elements (``zero``: zero-filled, for the padding after Ψ); every
+        param becomes a view into it."""
         torch = self.torch
-        self.flat_param = self._empty(self.psi, "params")
+        for p in self.frozen:  # held whole, as the module holds them
+            self._tag(p.data, "params")
+        self.flat_param = self._empty(size, "params", zero=zero)
         self.offsets = []
         off = 0
         with torch.no_grad():
-            for p, n, shape in zip(self.params, self.numels, self.shapes):
-                self.flat_param[off:off + n].copy_(p.detach().reshape(-1))
-                p.data = self.flat_param[off:off + n].view(shape)
+            for p, k, shape in zip(self.params, self.numels, self.shapes):
+                self.flat_param[off:off + k].copy_(p.detach().reshape(-1))
+                p.data = self.flat_param[off:off + k].view(shape)
                 self.offsets.append(off)
-                off += n
-        if self.ds and not self.mixed and not self.offload:
-            # DeepSpeed 0.19.8 without ZeRO in fp32 wraps no optimizer (engine.py
-            # _configure_optimizer: no FP16_Optimizer): Adam steps the fp32 parameters themselves
-            with self._host():
-                self.master = self.flat_param
-                self.m = self._tag(self.torch.zeros_like(self.flat_param), "optimizer_states")
-                self.v = self._tag(self.torch.zeros_like(self.flat_param), "optimizer_states")
-        else:
-            self.master, self.m, self.v = self._opt_state(self.flat_param)
-        self.part_lo, self.part_n = 0, self.psi
+                off += k
         self.flat_grad = None
-        if self.ds:  # DeepSpeed's allreduce_no_retain: constant 5e8 elements, forward order, flush after adding
-            self.buckets = self._flat_buckets("forward", STAGE0_BUCKET_ELEMS, after=True)
-        else:
-            self.buckets = self._flat_buckets("reverse", self.rbs)
 
     def _flat_buckets(self, order: str, cap: int, after: bool = False) -> list[tuple[int, int, list[int]]]:
         """(lo, hi, param indices) per gradient bucket in ``order``, flat coordinates."""
@@ -62,74 +51,42 @@ class FlatStages:
             p.grad = None
         self.flat_grad = None
 
-    def _setup12(self) -> None:
-        torch = self.torch
-        n = self.n
-        self.padded = ceil_div(self.psi, 2 * n) * 2 * n
-        self.part_n = self.padded // n
-        self.part_lo = self.rank * self.part_n
-        self.flat_param = self._empty(self.padded, "params", zero=True)
-        self.offsets = []
-        off = 0
-        with torch.no_grad():
-            for p, k, shape in zip(self.params, self.numels, self.shapes):
-                self.flat_param[off:off + k].copy_(p.detach().reshape(-1))
-                p.data = self.flat_param[off:off + k].view(shape)
-                self.offsets.append(off)
-                off += k
-        self.master, self.m, self.v = self._opt_state(self.flat_param[self.part_lo:self.part_lo + self.part_n])
-        if self.offload:
+
+class Stage0Strategy(FlatLayout, StageStrategy):
+    """Stage 0: every rank holds everything; the gradients are all-reduced once per optimizer step."""
+
+    def setup(self) -> None:
+        self._flatten_params(self.psi, zero=False)
+        if self.ds and not self.mixed and not self.offload:
+            # DeepSpeed 0.19.8 without ZeRO in fp32 wraps no optimizer (engine.py
+            # _configure_optimizer: no FP16_Optimizer): Adam steps the fp32 parameters themselves
             with self._host():
-                self.grad32_host = self._tag(torch.zeros(self.part_n, dtype=torch.float32, device=self.host),
-                                             "optimizer_states", host=True)
-        self.flat_grad = None
-        self.grad_part = None
-        # stage 1 without overlap reduces after backward in parameter order; hooks give reverse order
-        self.buckets = self._flat_buckets("forward" if self.stage == 1 and not self.overlap else "reverse", self.rbs)
-        self.ipg: list[Any] = []
-        self._pending: list[tuple[Any, Any, Any]] = []
-        self._bucket_bufs: dict[int, tuple[Any, Any]] = {}
-        self._copied: set[int] = set()
-        if self.stage == 2 and self.ds:
-            self._install_grad_hooks()
+                self.master = self.flat_param
+                self.m = self._tag(self.torch.zeros_like(self.flat_param), "optimizer_states")
+                self.v = self._tag(self.torch.zeros_like(self.flat_param), "optimizer_states")
+        else:
+            self.master, self.m, self.v = self._opt_state(self.flat_param)
+        self.part_lo, self.part_n = 0, self.psi
+        if self.ds:  # DeepSpeed's allreduce_no_retain: constant 5e8 elements, forward order, flush after adding
+            self.buckets = self._flat_buckets("forward", STAGE0_BUCKET_ELEMS, after=True)
+        else:
+            self.buckets = self._flat_buckets("reverse", self.rbs)
 
-    def _alloc_ipg(self, count: int) -> None:
-        if self.contiguous and not self.ipg:
-            self.ipg = [self._empty(self.rbs, "buffers") for _ in range(count)]
+    def before_backward(self) -> None:
+        self._attach_flat_grads(self.psi)
 
-    def _free_ipg(self) -> None:
-        self.ipg = []
+    def boundary(self) -> None:
+        """The flat gradients all-reduced bucket by bucket, each through a flatten copy."""
+        with self.torch.no_grad():
+            for lo, hi, _ in self.buckets:
+                flat = self._tag(self.flat_grad[lo:hi].clone(), "buffers")  # flatten copy
+                self.comm.all_reduce(flat)
+                flat.div_(self.n)
+                self.flat_grad[lo:hi].copy_(flat)
+                del flat
 
-    def _grad_part(self) -> Any:
-        if self.grad_part is None:
-            self.grad_part = self._new_grad_part()
-        return self.grad_part
-
-    def _new_grad_part(self) -> Any:
-        """The bit16 gradient partition: on the device, or on the host with optimizer offload."""
-        if not self.offload:
-            if self.stage in (1, 2):
-                # DeepSpeed sizes the buffer by the whole params overlapping the partition
-                # (copy_grads_in_partition); the partition is a view into it (core/layout.py)
-                lo, hi = self._grad_span()
-                buf = self._empty(hi - lo, "gradients", zero=True)
-                return buf[self.part_lo - lo:self.part_lo - lo + self.part_n]
-            return self._empty(self.part_n, "gradients", zero=True)
-        with self._host():
-            t = self.torch.zeros(self.part_n, dtype=self.dtype, device=self.host)
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        return self._tag(t, "gradients", host=True)
-
-    def _grad_span(self) -> tuple[int, int]:
-        return grad_span(self.numels, self.part_lo, self.part_lo + self.part_n)
-
-    def _owned(self, lo: int, hi: int) -> tuple[int, int] | None:
-        a, b = max(lo, self.part_lo), min(hi, self.part_lo + self.part_n)
-        return (a, b) if a < b else None
-
-    def _step0(self) -> None:
-        """Stage 0: AdamW over the whole flat buffer (fp32 DeepSpeed: then the norm all-reduce)."""
+    def step(self) -> None:
+        """AdamW over the whole flat buffer (fp32 DeepSpeed: then the norm all-reduce)."""
         torch = self.torch
         g = self.flat_grad
         g32 = self._tag(g.float(), "buffers") if g.dtype != torch.float32 else g
@@ -142,30 +99,3 @@ class FlatStages:
         if self.ds and not self.mixed:  # DeepSpeed 0.19.8: fp32 stage 0 all-reduces the norm
             norm = self._norm_sq.reshape(1).to(device=self.device, dtype=torch.float32)
             self.comm.all_reduce(norm)
-
-    def _step12(self) -> None:
-        """Stages 1-2: AdamW on the owned partition, the flag and norm all-reduces, the all-gather."""
-        torch = self.torch
-        if self.ds_stage1_grads:
-            for p in self.params:  # free_grad_in_param_list before flattening
-                p.grad = None
-            src = self._grad_part()
-        elif self.stage == 1:
-            src = self.flat_grad[self.part_lo:self.part_lo + self.part_n]
-        else:
-            src = self._grad_part()
-        self._step_group(src, self.master, self.m, self.v,
-                         self.flat_param[self.part_lo:self.part_lo + self.part_n], 0)
-        del src
-        if self.ds:
-            if self.mixed:  # the overflow flag exists with a loss scaler / bit16 only
-                flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
-                self.comm.all_reduce(flag, op="max")
-            norm = self._norm_sq.reshape(1).to(device=self.device, dtype=torch.float32)
-            self.comm.all_reduce(norm)
-        lo = self.part_lo
-        self.comm.all_gather(self.flat_param, self.flat_param[lo:lo + self.part_n])
-        if self.stage == 1 and not self.ds_stage1_grads:
-            self._free_flat_grads()
-        else:
-            self.grad_part = None

@@ -1,6 +1,6 @@
 """Stage 3 at run time: parameters gathered before a module's forward, released after its last use,
 re-gathered before its backward (a custom autograd node on its output), and the bucketed
-reduce-scatter that releases a module once its gradients are in (split out of ``runtime/engine.py``)."""
+reduce-scatter that releases a module once its gradients are in (used by ``engine_stage3``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 
 class Stage3Gather:
-    """Stage 3 gather / release / reduce-scatter."""
+    """Stage 3 gather / release / reduce-scatter (a mixin of ``engine_stage3.Stage3Strategy``)."""
 
     def _pre_forward(self, mod: Any, args: Any) -> None:
         for u in self.sites[id(mod)]:
@@ -81,7 +81,20 @@ class Stage3Gather:
                 self.params[i].data = self._placeholder
                 self.live[i] = False
 
-    def _flush_bucket_3(self, k: int) -> None:
+    def _arrived(self, j: int) -> None:
+        """Gradient j is next in bucket order: copied into its padded slot of the ipg bucket and freed."""
+        k = self._bucket_of[j]
+        p = self.params[j]
+        with self.torch.no_grad():
+            if self.contiguous and self._bucket_total[k] <= self.rbs:
+                pos, pad = self._pos3[j], self.chunk[j] * self.n
+                seg = self.ipg[0][pos:pos + pad]
+                seg[:self.numels[j]].copy_(p.grad.reshape(-1))
+                seg[self.numels[j]:].zero_()
+                p.grad = None
+
+    def _flush_bucket(self, k: int) -> None:
+        """Bucket k reduce-scattered into the gradient partition; modules whose gradients are all in released."""
         torch = self.torch
         n = self.n
         _, _, ps = self.buckets[k]

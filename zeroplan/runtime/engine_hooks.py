@@ -1,6 +1,6 @@
 """Stages 2-3: post-accumulate-grad hooks; gradients are bucketed in the ledger's canonical order
-whatever order autograd produces them in (a ready-pointer walks it) (split out of
-``runtime/engine.py``)."""
+whatever order autograd produces them in (a ready-pointer walks it). A mixin of the stage-2 and
+stage-3 strategies, which say what an arrival and a full bucket do (``_arrived``, ``_flush_bucket``)."""
 
 from __future__ import annotations
 
@@ -33,19 +33,8 @@ class GradHooks:
                 self._flush_bucket(self._last_in_bucket[j])
 
     def _arrived(self, j: int) -> None:
-        """Gradient j is next in bucket order: copy it into the bucket buffer and free it (DeepSpeed)."""
-        k = self._bucket_of[j]
-        p = self.params[j]
-        with self.torch.no_grad():
-            if self.stage == 3:
-                if self.contiguous and self._bucket_total[k] <= self.rbs:
-                    pos, pad = self._pos3[j], self.chunk[j] * self.n
-                    seg = self.ipg[0][pos:pos + pad]
-                    seg[:self.numels[j]].copy_(p.grad.reshape(-1))
-                    seg[self.numels[j]:].zero_()
-                    p.grad = None
-            elif self._copy_into_bucket(k, j, p.grad.reshape(-1)):
-                p.grad = None
+        """Gradient j is next in bucket order (the strategy copies it into its bucket buffer)."""
+        raise NotImplementedError
 
     def _begin_backward_hooks(self) -> None:
         self._ready = [False] * len(self.params)
@@ -53,11 +42,5 @@ class GradHooks:
         self._bucket_bufs, self._copied = {}, set()
 
     def _flush_bucket(self, k: int) -> None:
-        if self.stage == 3:
-            self._flush_bucket_3(k)
-            return
-        _, _, ps = self.buckets[k]
-        self._reduce_bucket_12(k, lambda i: self.params[i].grad.reshape(-1))
-        for i in ps:
-            self.params[i].grad = None
-        self._copied.difference_update(ps)
+        """Every gradient of bucket k has arrived: reduce it (the strategy's reduction)."""
+        raise NotImplementedError

@@ -1,6 +1,6 @@
 """Stages 1-2: gradient buckets reduced into the owner's partition: ipg buffers (double-buffered with
 ``overlap_comm``), owner-boundary slices packed into all-reduces or ``reduce``d, the paper
-flavour's partition-aligned reduce-scatter (split out of ``runtime/engine.py``)."""
+flavour's partition-aligned reduce-scatter (used by ``engine_stage12``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 
 class BucketReduce12:
-    """The stage 1-2 bucket reduction."""
+    """The stage 1-2 bucket reduction (a mixin of ``engine_stage12.Stage12Strategy``, which owns the
+    partition, the ipg buffers and ``_store_owned``)."""
 
     def _reduce_bucket_12(self, k: int, source: Any) -> None:
         """Reduce bucket k (flat [lo, hi)); ``source(i)`` gives param i's gradient (flat view).
@@ -118,12 +119,7 @@ class BucketReduce12:
     def _accumulate_owned(self, reduced: Any, a: int, b: int) -> None:
         """Averaged gradient slice [a, b) (flat coordinates) into this rank's partition."""
         reduced.div_(self.n)
-        if self.ds_stage1_grads:  # copy_grads_in_partition: owned slices into grads_in_partition
-            self._grad_part()[a - self.part_lo:b - self.part_lo].copy_(reduced)
-        elif self.stage == 1:
-            self.flat_grad[a:b].copy_(reduced)
-        else:
-            self._grad_part()[a - self.part_lo:b - self.part_lo].add_(reduced.to(self.grad_part.device))
+        self._store_owned(reduced, a, b)  # stage 1: copied into the full gradients; stage 2: added
 
     def _reduce_all_12(self, source: Any) -> None:
         """Reduce every bucket in canonical order (stage 1 at the boundary, stage 2 paper)."""

@@ -1,19 +1,23 @@
 """Stage 3 setup and step: per-parameter partitions (trainable and frozen), persistence, fetch units,
 prefetch chunks and re-gather decisions, use-site hooks, reduce-scatter buckets, the sub-group
-step (split out of ``runtime/engine.py``, whose docstring describes the schedule)."""
+step, and the per-micro-step bookkeeping of the training step (``runtime/engine.py``'s docstring
+describes the schedule)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from zeroplan.runtime.engine_gather import Stage3Gather
+from zeroplan.runtime.engine_hooks import GradHooks
+from zeroplan.runtime.engine_strategy import StageStrategy
 from zeroplan.runtime.engine_util import ceil_div, greedy_buckets
 
 
-class Stage3Setup:
-    """Stage 3: partitions, schedule and optimizer step."""
+class Stage3Strategy(Stage3Gather, GradHooks, StageStrategy):
+    """Stage 3: partitions, schedule and optimizer step; gathering and reduce-scatter in ``Stage3Gather``."""
 
-    def _setup3(self) -> None:
-        """Stage 3: per-parameter partitions, fetch units, prefetch chunks, use-site hooks, buckets."""
+    def setup(self) -> None:
+        """Per-parameter partitions, fetch units, prefetch chunks, use-site hooks, buckets."""
         self._setup3_partitions()
         idx_of, unit_numel = self._setup3_units()
         self._setup3_prefetch(unit_numel)
@@ -67,7 +71,9 @@ class Stage3Setup:
             with self._host():
                 self.grad32_host = self._tag(torch.zeros(self.part_n, dtype=torch.float32, device=self.host),
                                              "optimizer_states", host=True)
-        self.grad_part = self._new_grad_part()
+        # the bit16 gradient partition, persistent: on the host with optimizer offload
+        self.grad_part = (self._host_grad_part() if self.offload
+                          else self._empty(self.part_n, "gradients", zero=True))
         self.live = [bool(x) for x in self.persistent]
 
     def _setup3_units(self) -> tuple[dict[int, int], list[int]]:
@@ -165,8 +171,22 @@ class Stage3Setup:
         src = self.lp if self.params[i].requires_grad else self.lp_frozen
         return src[self.part_offsets[i]:self.part_offsets[i] + self.chunk[i]]
 
-    def _step3(self) -> None:
-        """Stage 3: AdamW per sub-group, the persistent params re-gathered, the norm all-reduce."""
+    def before_forward(self) -> None:
+        self.unit_seen = [0] * len(self.unit_params)
+
+    def before_backward(self) -> None:
+        self._begin_backward_hooks()
+        self.unit_pending = [0] * len(self.unit_params)
+        for i in self.train:
+            self.unit_pending[self.unit_of_param[i]] += 1
+
+    def after_backward(self) -> None:
+        if self._ptr != len(self._order):
+            raise RuntimeError("stage 3: some parameters received no gradient in backward")
+        self._release([i for i in range(len(self.params)) if self.live[i]])
+
+    def step(self) -> None:
+        """AdamW per sub-group, the persistent params re-gathered, the norm all-reduce."""
         torch = self.torch
         sgs = self.zero.sub_group_size
         groups = []

@@ -19,7 +19,8 @@ the spec (tied tensors share one ``Parameter``), and a real ``forward(input_ids)
   that receives no token is still called on an empty batch, so it is gathered and gets a
   (zero) gradient like in a dense pass.
 
-Conventions: shapes are element counts; ``numel`` sums are parameters (elements), not bytes.
+The forward pass itself (the static plan by role, attention, MLP, MoE, the layer loop) is
+``runtime/model_forward.py``. Conventions: shapes are element counts; ``numel`` sums are parameters (elements), not bytes.
 Initialisation is deterministic for a seed: weights N(0, 0.02), norm weights 1, biases 0.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from zeroplan.runtime.model_forward import _forward, _plan_forward
 from zeroplan.specs.model import ModelSpec, ParamTensor
 
 if TYPE_CHECKING:
@@ -176,14 +178,7 @@ def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed
             return _forward(self, torch, F, input_ids)
 
     root = ZeroModelImpl()
-    root.spec_name = spec.name
-    root.checkpointing = checkpointing
-    root.model_type = spec.model_type
-    root.n_heads = spec.num_attention_heads
-    root.n_kv = spec.num_key_value_heads or spec.num_attention_heads
-    root.head_dim = spec.head_dim
-    root.experts_per_token = spec.experts_per_token or 1
-    root.parallel = spec.model_type in PARALLEL_FAMILIES
+    _describe_root(root, spec, checkpointing)
     conv1d = spec.model_type in _CONV1D_FAMILIES
     layernorm_family = spec.model_type in LAYERNORM_FAMILIES
     eps = float(spec.hf_config.get("rms_norm_eps", spec.hf_config.get("layer_norm_epsilon",
@@ -233,13 +228,7 @@ def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed
         if t.tied_to is not None:
             by_name[t.name] = by_name[t.tied_to]
             continue
-        if local == "bias" or t.role == "norm" and local != "weight":
-            data = torch.zeros(t.shape, dtype=torch.float32) if local == "bias" else torch.ones(t.shape)
-        elif t.role == "norm":
-            data = torch.ones(t.shape, dtype=torch.float32)
-        else:
-            data = torch.empty(t.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
-        p = nn.Parameter(data.to(device=device, dtype=dtype))
+        p = nn.Parameter(_initial_values(torch, t, local, gen).to(device=device, dtype=dtype))
         holder.register_parameter(local, p)
         by_name[t.name] = p
         units.setdefault(t.module, []).append((t.name, p))
@@ -252,6 +241,27 @@ def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed
     if check_count and not spec.approximate and total != spec.params:
         raise ValueError(f"model {spec.name!r}: built {total} parameters, the spec says {spec.params}")
     return root
+
+
+def _describe_root(root: Any, spec: ModelSpec, checkpointing: str) -> None:
+    """The architecture facts the forward pass reads from the root module."""
+    root.spec_name = spec.name
+    root.checkpointing = checkpointing
+    root.model_type = spec.model_type
+    root.n_heads = spec.num_attention_heads
+    root.n_kv = spec.num_key_value_heads or spec.num_attention_heads
+    root.head_dim = spec.head_dim
+    root.experts_per_token = spec.experts_per_token or 1
+    root.parallel = spec.model_type in PARALLEL_FAMILIES
+
+
+def _initial_values(torch: Any, t: ParamTensor, local: str, gen: Any) -> Any:
+    """fp32 initial values of tensor ``t``: biases 0, norm weights 1, other weights N(0, 0.02)."""
+    if local == "bias" or t.role == "norm" and local != "weight":
+        return torch.zeros(t.shape, dtype=torch.float32) if local == "bias" else torch.ones(t.shape)
+    if t.role == "norm":
+        return torch.ones(t.shape, dtype=torch.float32)
+    return torch.empty(t.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
 
 
 ZeroModel = Any  # the class is created lazily in build_model (torch-free import of this module)
@@ -274,144 +284,3 @@ def _resolve_dtype(torch: Any, dtype: Any) -> Any:
             raise ValueError(f"dtype {dtype!r}: expected fp32, bf16 or fp16")
         return table[dtype]
     return dtype
-
-
-def _plan_forward(root: Any, spec: ModelSpec, order: list) -> None:
-    """Group holder modules by role into a static execution plan (stored on the root)."""
-    pre: dict[str, Any] = {}
-    layers: dict[int, dict[str, Any]] = {}
-    post_norms: list[Any] = []
-    head = None
-    for mname, holder, role in order:
-        if holder.layer is None:
-            if role == "embed":
-                pre["embed"] = holder
-            elif role == "pos_embed":
-                pre["pos"] = holder
-            elif role == "norm":
-                if "embed" in pre and head is None:
-                    post_norms.append(holder)
-            elif role == "lm_head":
-                head = holder
-            else:
-                raise ValueError(f"module {mname!r}: role {role!r} outside a layer is not supported")
-            continue
-        lay = layers.setdefault(holder.layer, {"norms": [], "qk_norms": [], "experts": {}})
-        if role == "norm":
-            shape = holder.weight.shape
-            if shape[-1] == spec.head_dim and spec.head_dim != spec.hidden_size:
-                lay["qk_norms"].append(holder)
-            else:
-                lay["norms"].append(holder)
-        elif holder.expert is not None:
-            lay["experts"].setdefault(holder.expert, {})[role] = holder
-        else:
-            if role in lay:
-                raise ValueError(f"layer {holder.layer}: two modules with role {role!r}")
-            lay[role] = holder
-    if "embed" not in pre or head is None:
-        raise ValueError(f"model {spec.name!r}: the runtime needs an 'embed' and an 'lm_head' tensor")
-    root.plan_pre = pre
-    root.plan_layers = [layers[k] for k in sorted(layers)]
-    root.plan_post_norms = post_norms
-    root.__dict__["plan_head"] = head  # not a submodule: the holder is registered under its own name
-
-
-def _mlp(lay: dict, x: Any, F: Any, gated: bool | None = None) -> Any:
-    if "mlp_gate_up" in lay:
-        gu = lay["mlp_gate_up"](x)
-        g, u = gu.chunk(2, dim=-1)
-        return lay["mlp_down"](F.silu(g) * u)
-    if "mlp_gate" in lay:
-        return lay["mlp_down"](F.silu(lay["mlp_gate"](x)) * lay["mlp_up"](x))
-    return lay["mlp_down"](F.gelu(lay["mlp_up"](x)))
-
-
-def _moe(root: Any, lay: dict, x: Any, torch: Any, F: Any) -> Any:
-    b, s, h = x.shape
-    flat = x.reshape(b * s, h)
-    logits = lay["router"](flat)
-    probs = F.softmax(logits.float(), dim=-1)
-    k = min(root.experts_per_token, probs.shape[-1])
-    weights, chosen = torch.topk(probs, k, dim=-1)
-    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-    out = torch.zeros_like(flat)
-    for e in sorted(lay["experts"]):
-        ex = lay["experts"][e]
-        tok, slot = (chosen == e).nonzero(as_tuple=True)
-        xe = flat.index_select(0, tok)
-        if "expert_gate" in ex:
-            ye = ex["expert_down"](F.silu(ex["expert_gate"](xe)) * ex["expert_up"](xe))
-        else:
-            ye = ex["expert_down"](F.gelu(ex["expert_up"](xe)))
-        out = out.index_add(0, tok, ye * weights[tok, slot].unsqueeze(-1))
-    return out.reshape(b, s, h)
-
-
-def _attention(root: Any, lay: dict, x: Any, torch: Any, F: Any) -> Any:
-    b, s, _ = x.shape
-    hd, nh, nkv = root.head_dim, root.n_heads, root.n_kv
-    if "attn_qkv" in lay:
-        qkv = lay["attn_qkv"](x)
-        width = qkv.shape[-1]
-        if width == (nh + 2 * nkv) * hd:
-            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        else:
-            q, k, v = qkv.chunk(3, dim=-1)
-            nh = nkv = q.shape[-1] // hd
-    else:
-        q, k, v = lay["attn_q"](x), lay["attn_k"](x), lay["attn_v"](x)
-    q = q.reshape(b, s, -1, hd).transpose(1, 2)
-    k = k.reshape(b, s, -1, hd).transpose(1, 2)
-    v = v.reshape(b, s, -1, hd).transpose(1, 2)
-    if lay["qk_norms"]:
-        q = lay["qk_norms"][0](q)
-        if len(lay["qk_norms"]) > 1:
-            k = lay["qk_norms"][1](k)
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    o = o.transpose(1, 2).reshape(b, s, -1)
-    return lay["attn_o"](o)
-
-
-def _forward(root: Any, torch: Any, F: Any, input_ids: Any) -> Any:
-    pre = root.plan_pre
-    x = pre["embed"](input_ids)
-    if "pos" in pre:
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = x + pre["pos"](pos).unsqueeze(0)
-    if getattr(root, "checkpointing", "none") == "full":
-        from torch.utils.checkpoint import checkpoint
-
-        for lay in root.plan_layers:
-            x = checkpoint(_layer, root, lay, x, torch, F, use_reentrant=False)
-    else:
-        for lay in root.plan_layers:
-            x = _layer(root, lay, x, torch, F)
-    for norm in root.plan_post_norms:
-        x = norm(x)
-    logits = root.plan_head(x)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                           input_ids[:, 1:].reshape(-1))
-
-
-def _layer(root: Any, lay: dict, x: Any, torch: Any, F: Any) -> Any:
-    """One transformer block: x -> x + attention + MLP (parallel or sequential)."""
-    norms = lay["norms"]
-    mlp = (lambda h: _moe(root, lay, h, torch, F)) if lay["experts"] else (lambda h: _mlp(lay, h, F))
-    if root.parallel:
-        a_in = norms[0](x) if norms else x
-        m_in = norms[1](x) if len(norms) > 1 else a_in
-        x = x + _attention(root, lay, a_in, torch, F) + mlp(m_in)
-    elif len(norms) >= 4:  # pre + post norms around both sub-layers (gemma2-style)
-        x = x + norms[1](_attention(root, lay, norms[0](x), torch, F))
-        x = x + norms[3](mlp(norms[2](x)))
-    else:
-        h = norms[0](x) if norms else x
-        x = x + _attention(root, lay, h, torch, F)
-        h = norms[1](x) if len(norms) > 1 else x
-        x = x + mlp(h)
-    return x

@@ -1,0 +1,187 @@
+"""Stages 1-2: the padded flat buffer partitioned across ranks, the owned gradient partition, the
+partition's optimizer step and the all-gather after it. Stage 1 reduces once per optimizer step (at
+the boundary), stage 2 every micro-step from gradient-ready hooks (``runtime/engine.py``'s docstring
+describes the schedule)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroplan.runtime.engine_flat import FlatLayout
+from zeroplan.runtime.engine_hooks import GradHooks
+from zeroplan.runtime.engine_reduce12 import BucketReduce12
+from zeroplan.runtime.engine_strategy import StageStrategy
+from zeroplan.runtime.engine_util import ceil_div, grad_span
+
+
+class Stage12Strategy(BucketReduce12, GradHooks, FlatLayout, StageStrategy):
+    """What stages 1 and 2 share; ``Stage1Strategy`` and ``Stage2Strategy`` hold their differences."""
+
+    ds_stage1_grads = False  # Stage1Strategy: DeepSpeed's per-parameter gradients on CUDA
+
+    def _bucket_order(self) -> str:
+        """The order gradients are bucketed in: reverse (gradient-ready) unless a subclass says otherwise."""
+        return "reverse"
+
+    def setup(self) -> None:
+        torch = self.torch
+        n = self.n
+        self.padded = ceil_div(self.psi, 2 * n) * 2 * n
+        self.part_n = self.padded // n
+        self.part_lo = self.rank * self.part_n
+        self._flatten_params(self.padded, zero=True)
+        self.master, self.m, self.v = self._opt_state(self.flat_param[self.part_lo:self.part_lo + self.part_n])
+        if self.offload:
+            with self._host():
+                self.grad32_host = self._tag(torch.zeros(self.part_n, dtype=torch.float32, device=self.host),
+                                             "optimizer_states", host=True)
+        self.grad_part = None
+        self.buckets = self._flat_buckets(self._bucket_order(), self.rbs)
+        self.ipg: list[Any] = []
+        self._pending: list[tuple[Any, Any, Any]] = []
+        self._bucket_bufs: dict[int, tuple[Any, Any]] = {}
+        self._copied: set[int] = set()
+
+    def _alloc_ipg(self, count: int) -> None:
+        if self.contiguous and not self.ipg:
+            self.ipg = [self._empty(self.rbs, "buffers") for _ in range(count)]
+
+    def _free_ipg(self) -> None:
+        self.ipg = []
+
+    def _grad_part(self) -> Any:
+        if self.grad_part is None:
+            self.grad_part = self._new_grad_part()
+        return self.grad_part
+
+    def _new_grad_part(self) -> Any:
+        """The bit16 gradient partition: on the device, or on the host with optimizer offload."""
+        if self.offload:
+            return self._host_grad_part()
+        # DeepSpeed sizes the buffer by the whole params overlapping the partition
+        # (copy_grads_in_partition); the partition is a view into it (core/layout.py)
+        lo, hi = grad_span(self.numels, self.part_lo, self.part_lo + self.part_n)
+        buf = self._empty(hi - lo, "gradients", zero=True)
+        return buf[self.part_lo - lo:self.part_lo - lo + self.part_n]
+
+    def _owned(self, lo: int, hi: int) -> tuple[int, int] | None:
+        a, b = max(lo, self.part_lo), min(hi, self.part_lo + self.part_n)
+        return (a, b) if a < b else None
+
+    def _store_owned(self, reduced: Any, a: int, b: int) -> None:
+        """The averaged slice [a, b) (flat coordinates) added into this rank's gradient partition."""
+        self._grad_part()[a - self.part_lo:b - self.part_lo].add_(reduced.to(self.grad_part.device))
+
+    def _step_source(self) -> Any:
+        """The averaged bit16 gradient partition the optimizer steps on."""
+        return self._grad_part()
+
+    def _after_step(self) -> None:
+        """Free the gradients of the step just taken."""
+        self.grad_part = None
+
+    def step(self) -> None:
+        """AdamW on the owned partition, the flag and norm all-reduces, the all-gather."""
+        torch = self.torch
+        src = self._step_source()
+        self._step_group(src, self.master, self.m, self.v,
+                         self.flat_param[self.part_lo:self.part_lo + self.part_n], 0)
+        del src
+        if self.ds:
+            if self.mixed:  # the overflow flag exists with a loss scaler / bit16 only
+                flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
+                self.comm.all_reduce(flag, op="max")
+            norm = self._norm_sq.reshape(1).to(device=self.device, dtype=torch.float32)
+            self.comm.all_reduce(norm)
+        lo = self.part_lo
+        self.comm.all_gather(self.flat_param, self.flat_param[lo:lo + self.part_n])
+        self._after_step()
+
+    # ---- gradient-ready hooks (stage 2, DeepSpeed flavour)
+    def _arrived(self, j: int) -> None:
+        """Gradient j is next in bucket order: copy it into the bucket buffer and free it (DeepSpeed)."""
+        with self.torch.no_grad():
+            if self._copy_into_bucket(self._bucket_of[j], j, self.params[j].grad.reshape(-1)):
+                self.params[j].grad = None
+
+    def _flush_bucket(self, k: int) -> None:
+        _, _, ps = self.buckets[k]
+        self._reduce_bucket_12(k, lambda i: self.params[i].grad.reshape(-1))
+        for i in ps:
+            self.params[i].grad = None
+        self._copied.difference_update(ps)
+
+
+class Stage1Strategy(Stage12Strategy):
+    """Stage 1: full flat gradients (Ψ₁₂) accumulated over the micro-steps, reduced once at the boundary.
+
+    With ``ds_stage1_grads`` (DeepSpeed on CUDA, contiguous gradients, no offload) the per-parameter
+    gradients are kept instead, freed into the bucket as it is reduced, and the owned slices land in
+    ``grads_in_partition`` (stage_1_and_2.py copy_grads_in_partition)."""
+
+    def setup(self) -> None:
+        # DeepSpeed on CUDA (contiguous gradients, no offload): per-param grads freed into the bucket,
+        # grads_in_partition kept
+        self.ds_stage1_grads = self.mimic == "deepspeed-cuda" and self.ds and self.contiguous and not self.offload
+        super().setup()
+
+    def _bucket_order(self) -> str:
+        # without overlap_comm stage 1 reduces after backward in parameter order; hooks give reverse order
+        return "reverse" if self.overlap else "forward"
+
+    def before_backward(self) -> None:
+        if not self.ds_stage1_grads:
+            self._attach_flat_grads(self.padded)
+
+    def boundary(self) -> None:
+        with self.torch.no_grad():
+            if self.ds_stage1_grads:
+                self._reduce_all_12(lambda i: self.params[i].grad.reshape(-1))
+                return
+            fg = self.flat_grad
+            self._reduce_all_12(fg if not self.ds else (lambda i: fg[self.offsets[i]:self.offsets[i] + self.numels[i]]))
+
+    def _store_owned(self, reduced: Any, a: int, b: int) -> None:
+        if self.ds_stage1_grads:  # copy_grads_in_partition: owned slices into grads_in_partition
+            self._grad_part()[a - self.part_lo:b - self.part_lo].copy_(reduced)
+        else:
+            self.flat_grad[a:b].copy_(reduced)
+
+    def _step_source(self) -> Any:
+        if self.ds_stage1_grads:
+            for p in self.params:  # free_grad_in_param_list before flattening
+                p.grad = None
+            return self._grad_part()
+        return self.flat_grad[self.part_lo:self.part_lo + self.part_n]
+
+    def _after_step(self) -> None:
+        if self.ds_stage1_grads:
+            self.grad_part = None
+        else:
+            self._free_flat_grads()
+
+
+class Stage2Strategy(Stage12Strategy):
+    """Stage 2: each micro-step's gradients reduced into the owned partition (Ψ₁₂/N) during backward."""
+
+    def setup(self) -> None:
+        super().setup()
+        if self.ds:
+            self._install_grad_hooks()
+
+    def before_backward(self) -> None:
+        if self.ds:
+            self._alloc_ipg(2 if self.overlap else 1)
+            self._ipg_slot = 0
+            self._begin_backward_hooks()
+
+    def after_backward(self) -> None:
+        if self.ds:
+            if self._ptr != len(self._order):
+                raise RuntimeError("stage 2: some parameters received no gradient in backward")
+            self._drain()
+            self._free_ipg()
+        else:
+            self._paper_reduce_scatter_12(lambda i: self.params[i].grad.reshape(-1))
+            for p in self.params:
+                p.grad = None

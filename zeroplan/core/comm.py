@@ -10,13 +10,15 @@ Two flavours (``comm_model``):
   stage 0 all-reduces gradient buckets once per step; stages 1–2 all-reduce gradient
   buckets (per-owner ``reduce`` with ``use_multi_rank_bucket_allreduce: false``) — stage 2
   every micro-step — then all-gather the padded flat parameters once, plus a 1-byte
-  overflow flag and a 4-byte norm all-reduce; stage 3 gathers each module in forward every
-  micro-step, re-gathers in backward only modules whose reuse distance exceeds
-  ``stage3_max_reuse_distance``, reduce-scatters gradient buckets every micro-step, and
-  after the step gathers each persistent parameter and all-reduces an 8-byte norm.
+  overflow flag and a 4-byte norm all-reduce; stage 3 gathers parameters as DeepSpeed's
+  parameter coordinator does (core/stage3_fetch.py: fetch, prefetch within
+  ``stage3_prefetch_bucket_size`` / ``stage3_max_live_parameters``, release unless reused within
+  ``stage3_max_reuse_distance``; a tied head gathers the embedding's weight), reduce-scatters
+  gradient buckets every micro-step, and after the step gathers each persistent parameter and
+  all-reduces an 8-byte norm.
 - ``paper`` — the ZeRO paper: stages 1–2 reduce-scatter (in partition-aligned buckets of
   ``reduce_bucket_size // N`` elements per rank) + all-gather (2Ψ), stage 3
-  gathers in forward and again in backward for every module (3Ψ).
+  gathers in forward and again in backward for every module (3Ψ; a tied head gathers its weight too).
 Both use the same padded layout (core/layout.py). ZeRO++ (stage 3): qwZ gathers int8
 weights plus fp32 block scales, hpZ re-gathers in backward inside the node from a
 secondary partition, qgZ replaces the gradient reduce-scatter by an int4 hierarchical

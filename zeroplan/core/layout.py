@@ -241,7 +241,11 @@ def greedy_buckets_after(sizes: list[int], bucket_elems: int) -> list[int]:
 
 @dataclass
 class Stage3Schedule:
-    """Which gathers stage 3 issues per micro-step (deepspeed-internals + measured DS 0.19.8).
+    """The memory model's view of stage 3's gathers (core/memory_buffers.py): chunks and re-gathers.
+
+    The ledger does not use it: its gathers are replayed from DeepSpeed's coordinator
+    (core/stage3_fetch.py), exact with tied weights and every knob; this coarser schedule only
+    sizes the gathered-parameter peaks.
 
     ``forward_chunks``: one all-gather each — (padded elements, number of params, label).
     ``regather``: per module of ``Layout.modules`` (same order), re-gathered in backward.

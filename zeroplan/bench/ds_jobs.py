@@ -107,22 +107,23 @@ def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, 
     """Several configurations in ONE launch (DeepSpeed start-up costs ~10 s per launch).
 
     ``runs``: [{"ds_config": path | JSON text | dict, "precision"?: str, "micro_batch"?: int,
-    "grad_accum"?: int, "finetune"?: FineTune (LoRA adapters + frozen base, runtime/lora.py)},
+    "grad_accum"?: int, "finetune"?: FineTune (LoRA adapters + frozen base, runtime/lora.py),
+    "spec"?: a ModelSpec for this run instead of ``spec`` (several models in one launch)},
     ...]; every config is validated before anything starts. Returns, per
     run, one ``DeepSpeedRankResult`` per rank (a failed run has ``failure`` set on its ranks).
     """
     if nproc < 1 or steps < 1 or warmup < 0:
         raise InputError(f"DeepSpeed run: nproc={nproc}, steps={steps}, warmup={warmup}: "
                          "expected nproc >= 1, steps >= 1, warmup >= 0")
-    hidden = getattr(spec, "hidden_size", None)
     dev, _backend = select_device(nproc, device)
     jobs = []
     for i, run in enumerate(runs):  # zeroplan's own validation first: a bad config never reaches DeepSpeed
+        run_spec = run.get("spec") or spec
         cfg, prec, adamw = prepare_ds_config(run["ds_config"], nproc=nproc, micro_batch=run.get("micro_batch"),
                                              grad_accum=run.get("grad_accum"), precision=run.get("precision"),
-                                             hidden_size=hidden, device=dev)
+                                             hidden_size=getattr(run_spec, "hidden_size", None), device=dev)
         jobs.append({"name": f"run{i}", "ds_config": cfg, "precision": prec, "steps": warmup + steps,
-                     "seq_len": seq_len, "spec": spec, "adamw": adamw, "memory_step": warmup + steps - 1,
+                     "seq_len": seq_len, "spec": run_spec, "adamw": adamw, "memory_step": warmup + steps - 1,
                      "device": dev, "memory_from_step": warmup, "finetune": run.get("finetune")})
     if not deepspeed_available():
         raise InputError("--engine deepspeed: DeepSpeed is not installed; install it with "

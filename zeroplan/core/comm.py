@@ -10,13 +10,15 @@ Two flavours (``comm_model``):
   stage 0 all-reduces gradient buckets once per step; stages 1–2 all-reduce gradient
   buckets (per-owner ``reduce`` with ``use_multi_rank_bucket_allreduce: false``) — stage 2
   every micro-step — then all-gather the padded flat parameters once, plus a 1-byte
-  overflow flag and a 4-byte norm all-reduce; stage 3 gathers each module in forward every
-  micro-step, re-gathers in backward only modules whose reuse distance exceeds
-  ``stage3_max_reuse_distance``, reduce-scatters gradient buckets every micro-step, and
-  after the step gathers each persistent parameter and all-reduces an 8-byte norm.
+  overflow flag and a 4-byte norm all-reduce; stage 3 gathers parameters as DeepSpeed's
+  parameter coordinator does (core/stage3_fetch.py: fetch, prefetch within
+  ``stage3_prefetch_bucket_size`` / ``stage3_max_live_parameters``, release unless reused within
+  ``stage3_max_reuse_distance``; a tied head gathers the embedding's weight), reduce-scatters
+  gradient buckets every micro-step, and after the step gathers each persistent parameter and
+  all-reduces an 8-byte norm.
 - ``paper`` — the ZeRO paper: stages 1–2 reduce-scatter (in partition-aligned buckets of
   ``reduce_bucket_size // N`` elements per rank) + all-gather (2Ψ), stage 3
-  gathers in forward and again in backward for every module (3Ψ).
+  gathers in forward and again in backward for every module (3Ψ; a tied head gathers its weight too).
 Both use the same padded layout (core/layout.py). ZeRO++ (stage 3): qwZ gathers int8
 weights plus fp32 block scales, hpZ re-gathers in backward inside the node from a
 secondary partition, qgZ replaces the gradient reduce-scatter by an int4 hierarchical
@@ -29,7 +31,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from zeroplan.core.layout import Layout, Stage3Schedule, ceil_div, greedy_buckets_after, stage3_schedule
+from zeroplan.core.layout import Layout, ceil_div, greedy_buckets_after
+from zeroplan.core.stage3_fetch import FetchUnit, stage3_gathers
 from zeroplan.specs.collectives import sent_bytes
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.training import TrainingSetup
@@ -133,7 +136,6 @@ def build_ledger(
     *,
     gpus_per_node: int,
     comm_model: str = "deepspeed",
-    schedule: Stage3Schedule | None = None,
     train_layout: Layout | None = None,
     no_backward: frozenset[str] = frozenset(),
 ) -> CommLedger:
@@ -148,129 +150,170 @@ def build_ledger(
     if comm_model not in ("deepspeed", "paper"):
         raise ValueError(f"comm_model must be 'deepspeed' or 'paper', got {comm_model!r}")
     zero = zero_or_default(zero)  # every default below is ZeroConfig's (DeepSpeed's), written once
-    stage = zero.stage
-    n = layout.n
-    prec = training.precision
-    b_p, b_c = prec.param_bytes, prec.comm_bytes
-    pdt = cdt = prec.dtype  # communication_data_type defaults to the model dtype
-    gas = training.grad_accum
-    rbs = zero.reduce_bucket_size
-    overlap = zero.overlap_comm  # unset resolves to stage == 3 (ZeroConfig, DeepSpeed's overlap_comm_valid)
-    B = _Builder(n, gpus_per_node)
+    B = _Builder(layout.n, gpus_per_node)
     notes: list[str] = []
     ds = comm_model == "deepspeed"
-
-    mixed = prec.mixed
-    if stage == 0:
-        B.buckets("all_reduce", "backward", "gradient bucket",
-                  layout.grad_buckets(STAGE0_BUCKET, 0, order="forward", flush="after") if ds
-                  else layout.grad_buckets(rbs, 0), b_c, 1, cdt, False)
-        if ds and not mixed:
-            B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
-    elif stage in (1, 2):
-        per_step = 1 if stage == 1 else gas
-        order = "forward" if (stage == 1 and not overlap) else "reverse"
-        if ds:
-            ranges = layout.bucket_ranges_12(rbs, order)
-            if zero.use_multi_rank_bucket_allreduce or not zero.reduce_scatter:
-                for lo, hi in ranges:
-                    slices = layout.owner_slices_12(lo, hi) if zero.reduce_scatter else [hi - lo]
-                    for size in greedy_buckets_after(slices, rbs):
-                        B.add("all_reduce", "backward", "gradient bucket", size * b_c, per_step, cdt, overlap)
-            else:
-                for lo, hi in ranges:
-                    for size in layout.owner_slices_12(lo, hi):
-                        B.add("reduce", "backward", "gradient bucket slice to its owner", size * b_c, per_step, cdt,
-                              overlap)
-        else:
-            # a reduce-scatter needs equal per-rank chunks: partition-aligned buckets of
-            # c = max(1, reduce_bucket_size // N) elements per rank, ceil(Ψ₁₂/N / c) calls
-            c = max(1, rbs // n)
-            part = layout.partition_12
-            full, rest = divmod(part, c)
-            B.add("reduce_scatter", "backward", "gradient bucket (partition-aligned)", n * c * b_c, per_step * full,
-                  cdt, overlap)
-            if rest:
-                B.add("reduce_scatter", "backward", "gradient bucket (partition-aligned)", n * rest * b_c, per_step,
-                      cdt, overlap)
-        B.add("all_gather", "step", "updated parameters (flat, padded to 2N)", layout.flat_padded * b_p, 1, pdt, False)
-        if ds:
-            if mixed:
-                B.add("all_reduce", "step", "overflow flag", 1, 1, "uint8", False)
-            B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
+    if zero.stage == 0:
+        _stage0(B, layout, training, zero, ds)
+    elif zero.stage in (1, 2):
+        _stages12(B, layout, training, zero, ds)
     else:
-        qwz = zero.zero_quantized_weights
-        hpz = zero.zero_hpz_partition_size or 1  # 0 and 1 both mean no secondary partition
-        qgz = zero.zero_quantized_gradients and B.nodes > 1
-        sched = schedule if schedule is not None else stage3_schedule(
-            layout, max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
-            max_reuse=zero.max_reuse_distance, paper=not ds)
-        if sched.one_shot:
-            notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
-        for size, nparams, label in sched.forward_chunks:
-            if qwz:
-                B.add("all_gather", "forward", "parameters (qwZ int8 + scales)", size + 4 * ceil_div(size, QWZ_BLOCK),
-                      gas, "int8", True)
-            else:
-                B.add("all_gather", "forward", "parameters" if nparams > 1 else "module parameters", size * b_p, gas,
-                      pdt, True)
-        for m, again in zip(layout.modules, sched.regather):
-            # a module whose output needs no gradient is never fetched in backward (core/finetune.py
-            # no_backward_modules: parameter_offload.py's PreBackwardFunctionForModule never runs)
-            if not again or m.name in no_backward:
-                continue
-            if hpz > 1:
-                # groups of min(hpz, world) consecutive ranks (DeepSpeed 0.19.8 utils/groups.py::
-                # _create_zero_param_parallel_group): larger than a node, the gather crosses the NICs
-                hg = min(hpz, n)
-                where = "in node" if hg <= B.gpn else f"across {-(-hg // B.gpn)} nodes"
-                B.add("all_gather", "backward", f"module parameters (hpZ secondary partition, {where})",
-                      m.gathered * b_p, gas, pdt, True, group="intra-node" if hg <= B.gpn else "all", group_size=hg)
-            elif qwz:
-                buf = m.gathered + 4 * ceil_div(m.gathered, QWZ_BLOCK)
-                B.add("all_gather", "backward", "module parameters re-gathered (qwZ)", buf, gas, "int8", True)
-            else:
-                B.add("all_gather", "backward", "module parameters re-gathered", m.gathered * b_p, gas, pdt, True)
-        buckets = tl.grad_buckets(rbs, 3)
-        if qgz:
-            gpn = B.gpn
-            for s_ in buckets:
-                int4 = ceil_div(s_, 2)
-                B.add("all_to_all", "backward", "gradient bucket (qgZ int4, intra-node hop)", int4, gas, "int4",
-                      overlap, group="intra-node", group_size=gpn)
-                B.add("all_to_all", "backward", "gradient bucket (qgZ int4, inter-node hop)", ceil_div(int4, gpn),
-                      gas, "int4", overlap, group="inter-node", group_size=B.nodes)
-        else:
-            B.buckets("reduce_scatter", "backward", "gradient bucket", buckets, b_c, gas, cdt, overlap)
-        # stage3.py _post_step: `self.persistent_parameters[0].all_gather(self.persistent_parameters)`;
-        # persistent_parameters is parameter_offload.py mark_persistent_parameters over EVERY named
-        # parameter (frozen ones too: step() released them all, release_and_reset_all), so with
-        # frozen weights the gathers cover the full layout's persistent tensors, not only the trainable
-        for t in layout.persistent_tensors:
-            B.add("all_gather", "step", "persistent parameter", layout.padded(t.numel) * b_p, 1, pdt, False)
-        if ds:
-            if zero.optimizer_offload_device != "none":
-                B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
-            else:
-                B.add("all_reduce", "step", "gradient norm", 8, 1, "float64", False)
+        _stage3_gathers(B, layout, training, zero, ds, no_backward, notes)
+        _stage3_reduce_and_step(B, layout, tl, training, zero, ds)
+    cpu_params, nvme_bytes = offload_costs(tl, training, zero)
+    by_op, total, inter = _totals(B)
+    return CommLedger(
+        flavour=comm_model,  # type: ignore[arg-type]
+        collectives=B.entries,
+        bytes_per_gpu_per_step=total,
+        bytes_per_gpu_per_step_by_op=by_op,
+        inter_node_bytes_per_gpu_per_step=inter,
+        pcie=_pcie(B, tl, training, zero),
+        cpu_optimizer_params_per_gpu=cpu_params,
+        nvme_bytes_per_gpu_per_step=nvme_bytes,
+        notes=notes,
+    )
 
-    # ---- PCIe traffic for offload (per GPU per step) ----
+
+def _stage0(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroConfig, ds: bool) -> None:
+    """Stage 0: gradient all-reduce buckets once per step (+ DeepSpeed's fp32 norm all-reduce)."""
+    prec = training.precision
+    B.buckets("all_reduce", "backward", "gradient bucket",
+              layout.grad_buckets(STAGE0_BUCKET, 0, order="forward", flush="after") if ds
+              else layout.grad_buckets(zero.reduce_bucket_size, 0), prec.comm_bytes, 1, prec.dtype, False)
+    if ds and not prec.mixed:
+        B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
+
+
+def _stages12(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroConfig, ds: bool) -> None:
+    """Stages 1-2: gradient buckets (all-reduce, per-owner reduce, or the paper's reduce-scatter),
+    the flat parameter all-gather after the step, DeepSpeed's overflow flag and norm."""
+    prec = training.precision
+    b_c, cdt, n, rbs = prec.comm_bytes, prec.dtype, layout.n, zero.reduce_bucket_size
+    overlap = zero.overlap_comm  # unset resolves to stage == 3 (ZeroConfig, DeepSpeed's overlap_comm_valid)
+    per_step = 1 if zero.stage == 1 else training.grad_accum
+    order = "forward" if (zero.stage == 1 and not overlap) else "reverse"
+    if ds:
+        ranges = layout.bucket_ranges_12(rbs, order)
+        if zero.use_multi_rank_bucket_allreduce or not zero.reduce_scatter:
+            for lo, hi in ranges:
+                slices = layout.owner_slices_12(lo, hi) if zero.reduce_scatter else [hi - lo]
+                for size in greedy_buckets_after(slices, rbs):
+                    B.add("all_reduce", "backward", "gradient bucket", size * b_c, per_step, cdt, overlap)
+        else:
+            for lo, hi in ranges:
+                for size in layout.owner_slices_12(lo, hi):
+                    B.add("reduce", "backward", "gradient bucket slice to its owner", size * b_c, per_step, cdt,
+                          overlap)
+    else:
+        # a reduce-scatter needs equal per-rank chunks: partition-aligned buckets of
+        # c = max(1, reduce_bucket_size // N) elements per rank, ceil(Ψ₁₂/N / c) calls
+        c = max(1, rbs // n)
+        full, rest = divmod(layout.partition_12, c)
+        B.add("reduce_scatter", "backward", "gradient bucket (partition-aligned)", n * c * b_c, per_step * full,
+              cdt, overlap)
+        if rest:
+            B.add("reduce_scatter", "backward", "gradient bucket (partition-aligned)", n * rest * b_c, per_step,
+                  cdt, overlap)
+    B.add("all_gather", "step", "updated parameters (flat, padded to 2N)", layout.flat_padded * prec.param_bytes, 1,
+          prec.dtype, False)
+    if ds:
+        if prec.mixed:
+            B.add("all_reduce", "step", "overflow flag", 1, 1, "uint8", False)
+        B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
+
+
+def _stage3_gathers(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroConfig, ds: bool,
+                    no_backward: frozenset[str], notes: list[str]) -> None:
+    """Stage 3's parameter all-gathers in forward and backward (ZeRO++ qwZ / hpZ variants).
+
+    Replayed from DeepSpeed's coordinator (core/stage3_fetch.py), tied weights included; the paper
+    flavour without prefetch and reuse (every module gathered in forward and again in backward)."""
+    prec = training.precision
+    b_p, pdt, gas, n = prec.param_bytes, prec.dtype, training.grad_accum, layout.n
+    qwz = zero.zero_quantized_weights
+    hpz = zero.zero_hpz_partition_size or 1  # 0 and 1 both mean no secondary partition
+    pset = {t.name for t in layout.persistent_tensors}
+    units = [FetchUnit(u.name, u.params, u.grad_input, u.name not in no_backward) for u in layout.units]
+    # the paper's schedule is the same coordinator without prefetch or reuse: every module gathers
+    # what it reads (a tied head: the embedding's weight) before its forward and again before its backward
+    gathers = stage3_gathers([t.numel for t in layout.tensors], [layout.padded(t.numel) for t in layout.tensors],
+                             [t.name in pset for t in layout.tensors], units,
+                             max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size if ds else 0,
+                             max_reuse=zero.max_reuse_distance if ds else 0, grad_accum=gas)
+    calls = [(g.phase, g.elements, g.params, count) for g, count in gathers]
+    if ds and len(calls) == 1 and calls[0][0] == "forward" and calls[0][2] == len(layout.tensors) - len(pset):
+        notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
+    for phase, size, nparams, count in calls:
+        if phase == "backward" and hpz > 1:
+            # groups of min(hpz, world) consecutive ranks (DeepSpeed 0.19.8 utils/groups.py::
+            # _create_zero_param_parallel_group): larger than a node, the gather crosses the NICs
+            hg = min(hpz, n)
+            where = "in node" if hg <= B.gpn else f"across {-(-hg // B.gpn)} nodes"
+            B.add("all_gather", "backward", f"module parameters (hpZ secondary partition, {where})",
+                  size * b_p, count, pdt, True, group="intra-node" if hg <= B.gpn else "all", group_size=hg)
+        elif qwz:
+            B.add("all_gather", phase, "parameters (qwZ int8 + scales)", size + 4 * ceil_div(size, QWZ_BLOCK),
+                  count, "int8", True)
+        else:
+            what = "parameters" if nparams > 1 else "module parameters"
+            B.add("all_gather", phase, what if phase == "forward" else f"{what} re-gathered", size * b_p, count, pdt,
+                  True)
+
+
+def _stage3_reduce_and_step(B: _Builder, layout: Layout, tl: Layout, training: TrainingSetup, zero: ZeroConfig,
+                            ds: bool) -> None:
+    """Stage 3's gradient reduce-scatter (or qgZ all-to-all), the persistent gathers and the norm."""
+    prec = training.precision
+    gas, overlap = training.grad_accum, zero.overlap_comm
+    buckets = tl.grad_buckets(zero.reduce_bucket_size, 3)
+    if zero.zero_quantized_gradients and B.nodes > 1:
+        gpn = B.gpn
+        for s_ in buckets:
+            int4 = ceil_div(s_, 2)
+            B.add("all_to_all", "backward", "gradient bucket (qgZ int4, intra-node hop)", int4, gas, "int4",
+                  overlap, group="intra-node", group_size=gpn)
+            B.add("all_to_all", "backward", "gradient bucket (qgZ int4, inter-node hop)", ceil_div(int4, gpn),
+                  gas, "int4", overlap, group="inter-node", group_size=B.nodes)
+    else:
+        B.buckets("reduce_scatter", "backward", "gradient bucket", buckets, prec.comm_bytes, gas, prec.dtype, overlap)
+    # stage3.py _post_step: `self.persistent_parameters[0].all_gather(self.persistent_parameters)`;
+    # persistent_parameters is parameter_offload.py mark_persistent_parameters over EVERY named
+    # parameter (frozen ones too: step() released them all, release_and_reset_all), so with
+    # frozen weights the gathers cover the full layout's persistent tensors, not only the trainable
+    for t in layout.persistent_tensors:
+        B.add("all_gather", "step", "persistent parameter", layout.padded(t.numel) * prec.param_bytes, 1, prec.dtype,
+              False)
+    if ds:
+        if zero.optimizer_offload_device != "none":
+            B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
+        else:
+            B.add("all_reduce", "step", "gradient norm", 8, 1, "float64", False)
+
+
+def _pcie(B: _Builder, tl: Layout, training: TrainingSetup, zero: ZeroConfig) -> list[PcieTransfer]:
+    """PCIe traffic for offload (per GPU per step)."""
+    prec = training.precision
+    stage, n = zero.stage, tl.n
     pcie: list[PcieTransfer] = []
     off_opt = zero.optimizer_offload_device
     off_par = zero.param_offload_device
-    cpu_params, nvme_bytes = offload_costs(tl, training, zero)
     if stage >= 1 and off_opt != "none":
         part = tl.partition_12 if stage < 3 else tl.partition_3
-        down_count = 1 if stage == 1 else gas
+        down_count = 1 if stage == 1 else training.grad_accum
         pcie.append(PcieTransfer(direction="device_to_host", what="gradient partition to the CPU optimizer",
                                  bytes_per_step=part * prec.grad_bytes * down_count))
         pcie.append(PcieTransfer(direction="host_to_device", what="updated parameter partition",
-                                 bytes_per_step=part * b_p))
+                                 bytes_per_step=part * prec.param_bytes))
     if stage == 3 and off_par != "none":
         fetched = sum(e.count * (e.buffer_bytes // n) for e in B.entries if e.op == "all_gather" and e.phase != "step")
         pcie.append(PcieTransfer(direction="host_to_device", what="parameter partitions fetched for every gather",
                                  bytes_per_step=fetched, source="nvme" if off_par == "nvme" else "cpu"))
+    return pcie
 
+
+def _totals(B: _Builder) -> tuple[dict[str, int], int, int]:
+    """(sent bytes by op, total, the part that crosses the node boundary) per GPU per step."""
     by_op: dict[str, int] = {}
     total = 0
     inter = 0
@@ -285,14 +328,4 @@ def build_ledger(
             # the node is (nodes-1)/(n-1) of a rank's ring steps
             # (a sub-group such as an hpZ group spanning k nodes: (k-1)/(group size - 1))
             inter += e.sent_bytes * (-(-e.group_size // gpn) - 1) // max(e.group_size - 1, 1)
-    return CommLedger(
-        flavour=comm_model,  # type: ignore[arg-type]
-        collectives=B.entries,
-        bytes_per_gpu_per_step=total,
-        bytes_per_gpu_per_step_by_op=by_op,
-        inter_node_bytes_per_gpu_per_step=inter,
-        pcie=pcie,
-        cpu_optimizer_params_per_gpu=cpu_params,
-        nvme_bytes_per_gpu_per_step=nvme_bytes,
-        notes=notes,
-    )
+    return by_op, total, inter

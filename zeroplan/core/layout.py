@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from zeroplan.core.stage3_fetch import FetchUnit
 from zeroplan.specs.deepspeed_config import ZeroConfig
 from zeroplan.specs.model import ModelSpec
 
@@ -54,6 +55,8 @@ class Layout:
     tensors: list[Tensor]
     modules: list[Module] = field(default_factory=list)
     persistent_tensors: list[Tensor] = field(default_factory=list)
+    # stage 3's fetch units in call order, tied parameters included (core/stage3_fetch.py)
+    units: list[FetchUnit] = field(default_factory=list)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # a layout is never mutated
 
     # stages 1-2
@@ -238,7 +241,11 @@ def greedy_buckets_after(sizes: list[int], bucket_elems: int) -> list[int]:
 
 @dataclass
 class Stage3Schedule:
-    """Which gathers stage 3 issues per micro-step (deepspeed-internals + measured DS 0.19.8).
+    """The memory model's view of stage 3's gathers (core/memory_buffers.py): chunks and re-gathers.
+
+    The ledger does not use it: its gathers are replayed from DeepSpeed's coordinator
+    (core/stage3_fetch.py), exact with tied weights and every knob; this coarser schedule only
+    sizes the gathered-parameter peaks.
 
     ``forward_chunks``: one all-gather each — (padded elements, number of params, label).
     ``regather``: per module of ``Layout.modules`` (same order), re-gathered in backward.
@@ -336,7 +343,36 @@ def build_layout(
             m.gathered += layout.padded(t.numel)
             m.n_gathered += 1
     layout.modules = [by_mod[k] for k in order]
+    layout.units = _fetch_units(spec, tensors)
     return layout
+
+
+# an embedding's input is token (or position) ids: no gradient reaches it, so DeepSpeed's
+# post-backward hook (parameter_offload.py PostBackwardFunctionModule) never runs for it
+_ID_INPUT_ROLES = ("embed", "pos_embed")
+
+
+def _fetch_units(spec: ModelSpec, tensors: list[Tensor]) -> list[FetchUnit]:
+    """One unit per spec module in spec (call) order: its own tensors plus the ones it reads through a
+    tie (a tied lm head reads the embedding's parameter)."""
+    index = {t.name: i for i, t in enumerate(tensors)}
+    order: list[str] = []
+    params: dict[str, list[int]] = {}
+    ids_input: set[str] = set()
+    for t in spec.tensors:
+        if t.module not in params:
+            order.append(t.module)
+            params[t.module] = []
+        i = index.get(t.tied_to if t.tied_to is not None else t.name)
+        if i is not None and i not in params[t.module]:
+            params[t.module].append(i)
+        if t.role in _ID_INPUT_ROLES:
+            ids_input.add(t.module)
+    for i, t in enumerate(tensors):  # a count spec's remainder, or tensors renamed by scaling
+        if t.module not in params:
+            order.append(t.module)
+            params[t.module] = [i]
+    return [FetchUnit(m, tuple(sorted(params[m])), grad_input=m not in ids_input) for m in order if params[m]]
 
 
 def zero_layout(spec: ModelSpec, n: int, zero: ZeroConfig) -> Layout:

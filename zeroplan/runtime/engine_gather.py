@@ -1,38 +1,147 @@
-"""Stage 3 at run time: parameters gathered before a module's forward, released after its last use,
-re-gathered before its backward (a custom autograd node on its output), and the bucketed
-reduce-scatter that releases a module once its gradients are in (used by ``engine_stage3``)."""
+"""Stage 3 at run time: DeepSpeed 0.19.8's parameter coordinator (partitioned_param_coordinator.py)
+driven by hooks as parameter_offload.py drives it. The first micro-step records the trace (every
+module fetch, forward then backward); from the second on, a module's fetch gathers its missing
+parameters in one all-gather, pops its entries off the trace queue and prefetches the next ones in
+one all-gather while their numel stays below min(max_live_parameters - available,
+prefetch_bucket_size); a module releases its parameters after its forward and, from a node on its
+inputs, after its backward, unless persistent, still used by another module, prefetched for a later
+step, or read again within max_reuse_distance elements of the trace (decided once per module and
+step id, as DeepSpeed's lru_cache does). A tied head reads the embedding's weight (``_source``), so
+the weight is gathered for it as for the embedding. Also gradient arrival and the bucketed reduce-scatter (a mixin of
+``engine_stage3.Stage3Strategy``)."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
+
+_NEVER = -(10**10)  # DeepSpeed's defaultdict(lambda: int(-1e10)) for a parameter never fetched
 
 
 class Stage3Gather:
     """Stage 3 gather / release / reduce-scatter (a mixin of ``engine_stage3.Stage3Strategy``)."""
 
-    def _pre_forward(self, mod: Any, args: Any) -> None:
-        for u in self.sites[id(mod)]:
-            for i in self.unit_params[u]:
-                if not self.live[i]:
-                    self._gather_params([j for j in self.chunks[self.chunk_of[i]] if not self.live[j]])
+    # -- DeepSpeed 0.19.8's PartitionedParameterCoordinator (partitioned_param_coordinator.py), as
+    # parameter_offload.py's hooks drive it: a trace recorded in the first micro-step, then
+    # fetch = the module's missing parameters in one call + a prefetch from the trace queue,
+    # release = unless persistent, still in use, prefetched for later, or reused within
+    # max_reuse_distance elements of the trace.
+
+    def _reset_step3(self) -> None:
+        """``reset_step`` (the model's pre-forward hook): in-flight prefetches released, the trace
+        frozen after the recording micro-step, queue and counters restarted."""
+        for i in sorted(self.inflight):
+            self.inflight.discard(i)
+            self._release_param(i)
+        if self.trace_mode == "record":
+            self.trace_mode = "complete"
+        elif self.trace_mode == "invalid":
+            self.trace_mode = "record"
+        if self.trace_mode == "complete":
+            self.queue = deque((i, sid) for sid, site in enumerate(self.trace) for i in self.site_params[site])
+        self.recent = {}
+        self.step_id = 0
+        self.n_available = 0
+
+    def _pre_forward(self, mod: Any, args: Any) -> Any:
+        site = self.sites[id(mod)]
+        self._fetch(site)
+        torch = self.torch
+        if not torch.is_grad_enabled():
+            return None
+        # parameter_offload.py _post_backward_module_hook: a node on every input that needs a
+        # gradient; the release runs once all of them got theirs (never for token ids)
+        wrapped = [a.requires_grad if isinstance(a, torch.Tensor) else False for a in args]
+        if not any(wrapped):
+            return None
+        counter = [sum(wrapped)]
+        return tuple(_PostBackward.apply(self, site, counter, a) if w else a for a, w in zip(args, wrapped))
 
     def _post_forward(self, mod: Any, args: Any, out: Any) -> Any:
-        us = self.sites[id(mod)]
-        for u in us:
-            self.unit_seen[u] += 1
-            if self.unit_seen[u] == self.unit_uses[u] and self.regather[u]:
-                self._release(self.unit_params[u])
+        site = self.sites[id(mod)]
+        self._release_site(site)
         torch = self.torch
         if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
-            return _PreBackward.apply(self, tuple(us), out)
+            return _PreBackward.apply(self, (site,), out)
         return out
 
-    def _pre_backward(self, units: tuple[int, ...]) -> None:
+    def _pre_backward(self, sites: tuple[int, ...]) -> None:
         with self.comm.in_phase("backward"):
-            for u in units:
-                missing = [i for i in self.unit_params[u] if not self.live[i]]
-                if missing:
-                    self._gather_params(missing)
+            for site in sites:
+                self._fetch(site)
+
+    def _fetch(self, site: int) -> None:
+        """``fetch_sub_module``: the site's unavailable parameters in one all-gather, then (complete
+        trace) its queue entries popped and the next ones prefetched in one all-gather."""
+        if self.trace_mode == "record":
+            self.trace.append(site)
+        ps = self.site_params[site]
+        todo = [i for i in ps if not self.live[i]]
+        if todo:
+            self._gather_params(todo)
+            self.n_available += sum(self.numels[i] for i in todo)
+        for i in ps:
+            self.active[i].add(site)
+            self.inflight.discard(i)
+        if self.trace_mode == "complete":
+            sid = self.step_id
+            need = sum(1 for i in ps if self.recent.get(i, _NEVER) < sid)
+            for _ in range(need):
+                if not self.queue:
+                    break
+                i, at = self.queue.popleft()
+                self.recent[i] = at
+            if self.prefetch_bucket > 0:
+                self._prefetch(min(self.max_live - self.n_available, self.prefetch_bucket))
+        self.step_id += 1
+
+    def _prefetch(self, room: int) -> None:
+        """Queue entries popped while the prefetched numel is below ``room``; one all-gather."""
+        chosen: list[int] = []
+        numel = 0
+        while self.queue and numel < room:
+            i, at = self.queue.popleft()
+            if not self.live[i] and i not in chosen:
+                chosen.append(i)
+                numel += self.numels[i]
+            self.recent[i] = max(self.recent.get(i, _NEVER), at)
+        if chosen:
+            self._gather_params(chosen)
+            self.n_available += numel
+            self.inflight.update(chosen)
+
+    def _to_release(self, site: int) -> set[int]:
+        """``__params_to_release``: cached per (site, step id) like DeepSpeed's ``lru_cache``."""
+        if self.trace_mode != "complete":
+            return {i for i in self.site_params[site] if not self.persistent[i]}
+        key = (site, self.step_id)
+        if key not in self.release_cache:
+            out = {i for i in self.site_params[site]
+                   if not self.persistent[i] and self.recent.get(i, _NEVER) <= self.step_id}
+            traversed = 0
+            for later in self.trace[self.step_id:]:
+                if traversed >= self.max_reuse:
+                    break
+                for i in self.site_params[later]:
+                    out.discard(i)
+                    traversed += self.numels[i]
+            self.release_cache[key] = out
+        return self.release_cache[key]
+
+    def _release_site(self, site: int) -> None:
+        """``release_sub_module``."""
+        rel = self._to_release(site)
+        for i in self.site_params[site]:
+            self.active[i].discard(site)
+            if i in rel:
+                self._release_param(i)
+
+    def _release_param(self, i: int) -> None:
+        """``__release_param``: a gathered parameter no site is using any more."""
+        if self.live[i] and not self.persistent[i] and i not in self.inflight and not self.active[i]:
+            self.params[i].data = self._placeholder
+            self.live[i] = False
+            self.n_available -= self.numels[i]
 
     def _gather_params(self, ps: list[int]) -> None:
         """One all-gather of the params ``ps`` (Σp̂ elements); each param becomes a full tensor.
@@ -76,7 +185,11 @@ class Stage3Gather:
             self.live[i] = True
 
     def _release(self, ps: list[int]) -> None:
+        """Release ``ps`` whatever their state (the end of backward: ``release_backward_leftovers``;
+        by then DeepSpeed has released every other gathered parameter)."""
         for i in ps:
+            self.active[i].clear()
+            self.inflight.discard(i)
             if not self.persistent[i]:
                 self.params[i].data = self._placeholder
                 self.live[i] = False
@@ -127,11 +240,31 @@ class Stage3Gather:
                 self.grad_part[self.part_offsets[i]:self.part_offsets[i] + c].add_(
                     out[col:col + c].to(self.grad_part.device))
                 col += c
-        for i in ps:
-            u = self.unit_of_param[i]
-            self.unit_pending[u] -= 1
-            if self.unit_pending[u] == 0:
-                self._release(self.unit_params[u])
+        # no release here: DeepSpeed releases a module's parameters after its backward
+        # (release_sub_module from the post-backward node on its inputs), not when its gradients
+        # are reduced
+
+
+def _make_post_backward():
+    import torch
+
+    class PostBackward(torch.autograd.Function):
+        """Identity on a module input; in backward, once every wrapped input of that call got its
+        gradient, releases the module (parameter_offload.py ``PostBackwardFunctionModule``)."""
+
+        @staticmethod
+        def forward(ctx, engine, site, counter, x):  # type: ignore[override]
+            ctx.engine, ctx.site, ctx.counter = engine, site, counter
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            ctx.counter[0] -= 1
+            if ctx.counter[0] == 0:
+                ctx.engine._release_site(ctx.site)
+            return None, None, None, grad
+
+    return PostBackward
 
 
 def _make_pre_backward():
@@ -164,3 +297,15 @@ class _LazyPreBackward:
 
 
 _PreBackward = _LazyPreBackward()
+
+
+class _LazyPostBackward:
+    _cls = None
+
+    def apply(self, *args: Any) -> Any:
+        if self._cls is None:
+            type(self)._cls = _make_post_backward()
+        return self._cls.apply(*args)
+
+
+_PostBackward = _LazyPostBackward()

@@ -1,7 +1,7 @@
 """Stage 3 setup and step: per-parameter partitions (trainable and frozen), persistence, fetch units,
-prefetch chunks and re-gather decisions, use-site hooks, reduce-scatter buckets, the sub-group
+the coordinator's knobs and state, hooks on every module, reduce-scatter buckets, the sub-group
 step, and the per-micro-step bookkeeping of the training step (``runtime/engine.py``'s docstring
-describes the schedule)."""
+describes the schedule; the gather/release rule is in ``engine_gather``)."""
 
 from __future__ import annotations
 
@@ -92,61 +92,48 @@ class Stage3Strategy(Stage3Gather, GradHooks, StageStrategy):
         return idx_of, unit_numel
 
     def _setup3_prefetch(self, unit_numel: list[int]) -> None:
-        """The forward gather chunks (DeepSpeed's prefetch bound) and which units are re-gathered."""
-        nonpers = [i for i in range(len(self.params)) if not self.persistent[i]]
-        max_live = self.zero.max_live_parameters
-        prefetch = self.zero.prefetch_bucket_size
-        reuse = self.zero.max_reuse_distance
-        bound = min(max_live, prefetch)
-        nu = len(self.unit_params)
-        if not self.ds:  # paper: one gather per module in forward, again in backward
-            chunks = [ps for ps in self.unit_params if ps]
-            self.regather = [bool(ps) for ps in self.unit_params]
-        elif bound > 0 and sum(self.numels[i] for i in nonpers) < bound:  # everything fits one prefetch
-            chunks = [nonpers] if nonpers else []
-            self.regather = [False] * nu
-        else:
-            if bound <= 0:
-                chunks = [ps for ps in self.unit_params if ps]
-            else:  # consecutive params, each chunk closed once its unpadded numel reaches the bound
-                chunks, cur, run = [], [], 0
-                for i in nonpers:
-                    cur.append(i)
-                    run += self.numels[i]
-                    if run >= bound:
-                        chunks.append(cur)
-                        cur, run = [], 0
-                if cur:
-                    chunks.append(cur)
-            self.regather = [False] * nu
-            after = 0
-            for u in range(nu - 1, -1, -1):
-                self.regather[u] = bool(self.unit_params[u]) and 2 * after >= reuse
-                after += unit_numel[u]
-        self.chunks = chunks
-        self.chunk_of = {i: c for c, ps in enumerate(chunks) for i in ps}
+        """The coordinator's knobs and state (DeepSpeed 0.19.8 ``PartitionedParameterCoordinator``;
+        the rule itself runs in ``engine_gather``). ``paper``: no prefetch and no reuse, so every
+        module is gathered before its forward and again before its backward."""
+        self.max_live = self.zero.max_live_parameters if self.ds else 0
+        self.prefetch_bucket = self.zero.prefetch_bucket_size if self.ds else 0
+        self.max_reuse = self.zero.max_reuse_distance if self.ds else 0
+        self.trace: list[int] = []  # site per fetch, recorded in the first micro-step (record_module)
+        self.trace_mode = "invalid"  # -> "record" at the first forward, "complete" at the second
+        self.release_cache: dict[tuple[int, int], set[int]] = {}  # __params_to_release's lru_cache
+        self.active: dict[int, set[int]] = {i: set() for i in range(len(self.params))}  # ds_active_sub_modules
+        self.inflight: set[int] = set()  # prefetched, not yet waited on by a fetch
+        self.queue: Any = None
+        self.recent: dict[int, int] = {}  # __most_recent_step_id_param_fetched_for
+        self.step_id = 0
+        self.n_available = 0
 
     def _setup3_sites(self, idx_of: dict[int, int]) -> None:
-        """Forward pre/post hooks on every module that reads a unit's non-persistent params."""
-        nu = len(self.unit_params)
-        # use-sites: modules whose forward reads a unit's non-persistent params
-        self.sites: dict[int, list[int]] = {}
-        for mod in self.model.modules():
-            us = set()
+        """Hooks on every module (its parameters: its own, and a tied one read through ``_source``):
+        pre-forward fetch (and the post-backward release node on its inputs),
+        post-forward release (and the pre-backward fetch node on its output); the model's own
+        pre-forward hook starts each micro-step (``reset_step``)."""
+        self._hooks.append(self.model.register_forward_pre_hook(lambda _m, _a: self._reset_step3()))
+        self.sites: dict[int, int] = {}  # id(module) -> site index
+        self.site_params: list[list[int]] = []
+        self.site_names: list[str] = []
+        for name, mod in self.model.named_modules():
+            ps: list[int] = []
             owners = [mod] + ([mod._source] if getattr(mod, "_source", None) is not None else [])
             for o in owners:
                 for p in o.parameters(recurse=False):
                     i = idx_of.get(id(p))
-                    if i is not None and not self.persistent[i]:
-                        us.add(self.unit_of_param[i])
-            if us:
-                self.sites[id(mod)] = sorted(us)
-                self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
-                self._hooks.append(mod.register_forward_hook(self._post_forward))
-        self.unit_uses = [0] * nu
-        for us in self.sites.values():
-            for u in us:
-                self.unit_uses[u] += 1
+                    if i is not None and i not in ps:
+                        ps.append(i)
+            # every module is hooked, as parameter_offload.py _register_deepspeed_module does: a
+            # called module without parameters (the model itself) is a trace entry too, and its
+            # fetch is where a prefetch can start (the whole model in one call, before the embedding)
+            self.sites[id(mod)] = len(self.site_params)
+            self.site_params.append(sorted(ps))  # ds_id order (the engine's parameter order)
+            self.site_names.append(name)
+            self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(mod.register_forward_hook(self._post_forward))
+        nu = len(self.unit_params)
         self.unit_seen = [0] * nu
         self.unit_pending = [0] * nu
 

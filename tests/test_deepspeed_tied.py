@@ -1,0 +1,227 @@
+"""Stage 3 with tied embeddings under every stage-3 knob: the REAL DeepSpeed engine (0.19.8,
+CPU/gloo), zeroplan's ledger and the bundled runtime issue the same all-gathers, call for call.
+
+Issue #12 §1. ``max_live_parameters``, ``max_reuse_distance``, ``prefetch_bucket_size`` and
+``param_persistence_threshold`` each at 0, small and large (DeepSpeed's default), and the
+combinations that change the schedule: no prefetch with no reuse (every module gathered before
+its forward and again before its backward; the tied head gathers the embedding's weight again), a
+prefetch bound of a few modules (the prefetch runs into the backward part of the trace), a reuse
+window shorter than the model, every parameter persistent, two micro-steps. Models: a GPT-2 with
+its head tied to ``wte`` (Conv1D, learned positions), a Llama with ``tie_word_embeddings``, and the
+untied Llama of tests/test_engine.py under the partial-prefetch configuration that file cannot
+write a closed form for.
+
+One DeepSpeed launch (N = 2) and one runtime launch run every configuration; skipped without
+DeepSpeed. The tied GPT-2 at N = 4 and the full 54-point grid per model were measured the same
+way once (0 disagreements) and are too slow for the suite.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+
+from zeroplan.bench import deepspeed_engine as dse
+
+needs_ds = pytest.mark.skipif(not dse.deepspeed_available(), reason="DeepSpeed is not installed")
+
+N = 2
+SEQ = 16
+E9 = 10**9  # DeepSpeed's default max_live_parameters and max_reuse_distance
+
+
+def _gpt2_tied():
+    from zeroplan.specs.model import load_model
+
+    return load_model("gpt2").scaled(num_layers=2, hidden_size=48, vocab_size=301, num_attention_heads=3)
+
+
+def _llama_tied():
+    from zeroplan.specs.model import load_model
+    from zeroplan.specs.model_spec import spec_from_config
+
+    s = load_model("llama-2-7b").scaled(num_layers=2, hidden_size=48, intermediate_size=130, vocab_size=301,
+                                        num_attention_heads=3, num_key_value_heads=1)
+    cfg = copy.deepcopy(s.hf_config)
+    cfg["tie_word_embeddings"] = True
+    return spec_from_config(cfg, "llama-tied", "test")
+
+
+def _llama_engine():
+    from zeroplan.bench.validate import scaled_spec
+    from zeroplan.specs.model import load_model
+
+    return scaled_spec(load_model("llama-2-7b"), layers=2, hidden=64, vocab=128)
+
+
+def _knobs(ml, rd, pf, pt, **extra):
+    return {"stage3_max_live_parameters": ml, "stage3_max_reuse_distance": rd, "stage3_prefetch_bucket_size": pf,
+            "stage3_param_persistence_threshold": pt, **extra}
+
+
+# (model, knobs, precision, grad_accum, micro_batch)
+CASES = [
+    ("gpt2", _knobs(0, 0, 0, 0), "bf16", 1, 1),
+    ("gpt2", _knobs(0, 1000, 0, 0), "bf16", 1, 1),
+    ("gpt2", _knobs(1000, 0, 1000, 0), "bf16", 1, 1),
+    ("gpt2", _knobs(1000, E9, 1000, 0), "bf16", 1, 1),
+    ("gpt2", _knobs(E9, 0, 1000, 0), "bf16", 1, 1),
+    ("gpt2", _knobs(E9, 1000, 1000, 0), "bf16", 1, 1),
+    ("gpt2", _knobs(E9, E9, 50_000_000, 0), "bf16", 1, 1),
+    ("gpt2", _knobs(0, 0, 0, E9), "bf16", 1, 1),
+    ("gpt2", _knobs(E9, 0, 1000, 1000), "bf16", 1, 1),
+    ("gpt2", _knobs(E9, 0, 1000, 0), "bf16", 2, 1),
+    ("llama", _knobs(0, 0, 0, 0), "bf16", 1, 1),
+    ("llama", _knobs(1000, 0, 1000, 0), "bf16", 1, 1),
+    ("llama", _knobs(E9, 1000, 1000, 200), "bf16", 1, 1),
+    ("engine", _knobs(E9, 20000, 5000, 64, reduce_bucket_size=3000), "fp32", 2, 2),
+]
+SPECS = {"gpt2": _gpt2_tied, "llama": _llama_tied, "engine": _llama_engine}
+
+
+def _case_id(i):
+    model, k, prec, gas, _ = CASES[i]
+    short = {"stage3_max_live_parameters": "live", "stage3_max_reuse_distance": "reuse",
+             "stage3_prefetch_bucket_size": "prefetch", "stage3_param_persistence_threshold": "persist",
+             "reduce_bucket_size": "rbs"}
+    return f"{model}-{prec}-gas{gas}-" + "-".join(f"{short[key]}{v:g}" for key, v in k.items())
+
+
+_CACHE: dict[str, object] = {}
+
+
+def _spec(model):
+    if model not in _CACHE:
+        _CACHE[model] = SPECS[model]()
+    return _CACHE[model]
+
+
+def _ds_config(i):
+    _, knobs, _, _, _ = CASES[i]
+    return {"zero_optimization": {"stage": 3, **knobs}}
+
+
+def _zero(i):
+    from zeroplan.specs.deepspeed_config import load_ds_config
+
+    return load_ds_config(_ds_config(i), world_size=N).zero
+
+
+def _plan(i):
+    from zeroplan.core.plan import evaluate
+    from zeroplan.specs.training import TrainingSetup, get_precision
+
+    model, _, prec, gas, mb = CASES[i]
+    training = TrainingSetup(precision=get_precision(prec), micro_batch=mb, seq_len=SEQ, grad_accum=gas,
+                             optimizer_impl="torch-single")
+    return evaluate(model=_spec(model), training=training, zero=_zero(i), n_gpus=N)
+
+
+def _deepspeed():
+    if "ds" not in _CACHE:
+        runs = [{"ds_config": _ds_config(i), "precision": CASES[i][2], "grad_accum": CASES[i][3],
+                 "micro_batch": CASES[i][4], "spec": _spec(CASES[i][0])} for i in range(len(CASES))]
+        _CACHE["ds"] = dse.run_deepspeed_matrix(_spec("gpt2"), runs, nproc=N, steps=2, warmup=2, seq_len=SEQ)
+    return _CACHE["ds"]
+
+
+def _measure(rank, world, groups):
+    from zeroplan.bench.validate import measure_rank
+
+    return [measure_rank(rank, world, spec, runs) for spec, runs in groups]
+
+
+def _runtime():
+    """The bundled engine on the same configurations: {case index: rank 0's measurement}."""
+    if "rt" not in _CACHE:
+        from zeroplan.bench.validate import _preload_dispatch
+        from zeroplan.runtime.launch import spawn
+
+        groups, index = [], []
+        for model in SPECS:
+            ids = [i for i, c in enumerate(CASES) if c[0] == model]
+            runs = [{"zero": _zero(i), "precision": CASES[i][2], "micro_batch": CASES[i][4], "seq_len": SEQ,
+                     "grad_accum": CASES[i][3], "warmup": 2, "steps": 2, "comm_model": "deepspeed", "seed": 0}
+                    for i in ids]
+            groups.append((_spec(model), runs))
+            index.append(ids)
+        _preload_dispatch()
+        per_rank = spawn(_measure, N, args=(groups,), timeout_s=600)
+        _CACHE["rt"] = {i: [per_rank[r][g][k] for r in range(N)]
+                        for g, ids in enumerate(index) for k, i in enumerate(ids)}
+    return _CACHE["rt"]
+
+
+def _by_phase(entries):
+    """(op, phase) -> [calls, Σ full-buffer bytes] per optimizer step."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for op, phase, nbytes, count in entries:
+        c = out.setdefault((op, phase), [0, 0])
+        c[0] += count
+        c[1] += count * nbytes
+    return out
+
+
+@needs_ds
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("i", range(len(CASES)), ids=_case_id)
+def test_ledger_equals_deepspeed_equals_runtime(i):
+    plan = _plan(i)
+    expected = Counter()
+    for e in plan.comm.collectives:
+        expected[(e.op, e.phase, e.buffer_bytes, e.dtype)] += e.count
+    for rank in _deepspeed()[i]:
+        assert rank.failure is None, rank.failure.message
+        assert dse.steps_identical(rank)
+        for step in rank.records_by_step:
+            got = Counter((r.op, r.phase, r.buffer_bytes, r.dtype) for r in step)
+            assert got == expected, f"DeepSpeed - zeroplan: {got - expected}; zeroplan - DeepSpeed: {expected - got}"
+    ledger = _by_phase((e.op, e.phase, e.buffer_bytes, e.count) for e in plan.comm.collectives)
+    for res in _runtime()[i]:
+        assert "oom" not in res and res["steady"], res.get("oom")
+        runtime = {tuple(k.split("/")): [v["count"], v["bytes"]] for k, v in res["collectives"].items()}
+        assert runtime == ledger
+
+
+def _reads(spec):
+    """Per module (spec order), the padded numel of each parameter its forward reads; a tied head
+    reads the embedding's weight. Written from the spec, independently of core/layout.py."""
+    numel = {t.name: t.numel for t in spec.tensors if t.tied_to is None}
+    pad = lambda k: -(-k // N) * N  # noqa: E731
+    out: dict[str, list[int]] = {}
+    for t in spec.tensors:
+        out.setdefault(t.module, []).append(pad(numel[t.tied_to or t.name]))
+    return list(out.values())
+
+
+@needs_ds
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_tied_weight_is_gathered_again_by_the_head_without_prefetch_or_reuse():
+    """Closed form, from the spec alone: no prefetch, no reuse, nothing persistent -> every module,
+    the tied head included, gathers what it reads before its forward and again before its backward."""
+    i = CASES.index(("gpt2", _knobs(0, 0, 0, 0), "bf16", 1, 1))
+    reads = _reads(_spec("gpt2"))
+    want = [len(reads), 2 * sum(sum(r) for r in reads)]  # bf16: 2 bytes
+    tied = [t for t in _spec("gpt2").tensors if t.tied_to]
+    assert tied and tied[0].module not in {t.module for t in _spec("gpt2").tensors if t.tied_to is None}
+    summary = dse.per_step_summary(_deepspeed()[i][0])
+    for phase in ("forward", "backward"):
+        assert [summary[("all_gather", phase)]["count"], summary[("all_gather", phase)]["bytes"]] == want
+
+
+@needs_ds
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_one_prefetch_gathers_the_tied_model_once():
+    """Closed form: a prefetch bound above the model -> the model's own fetch gathers every
+    parameter once (the tied weight once), nothing in backward."""
+    i = CASES.index(("gpt2", _knobs(E9, E9, 50_000_000, 0), "bf16", 1, 1))
+    spec = _spec("gpt2")
+    padded = sum(-(-t.numel // N) * N for t in spec.tensors if t.tied_to is None)
+    summary = dse.per_step_summary(_deepspeed()[i][0])
+    assert summary[("all_gather", "forward")] == {"count": 1, "bytes": 2 * padded}
+    assert ("all_gather", "backward") not in summary

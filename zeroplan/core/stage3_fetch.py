@@ -1,0 +1,246 @@
+"""Stage 3's parameter gathers per micro-step, replayed from DeepSpeed 0.19.8's coordinator.
+
+DeepSpeed decides every stage-3 all-gather in ``runtime/zero/partitioned_param_coordinator.py``
+(``PartitionedParameterCoordinator``), driven by the module hooks of ``parameter_offload.py``.
+This module replays that state machine over the fetch units of a ``Layout`` (torch-free), so the
+ledger carries the calls DeepSpeed issues, tied weights included:
+
+- The trace (``record_module`` / ``construct_parameter_trace_from_module_trace``): every call of
+  ``fetch_sub_module`` appends its module; forward visits the root (the model; no parameters of
+  its own) and then every unit in call order, backward the root and then the units in reverse
+  (``PreBackwardFunctionForModule`` on each output). A unit's parameters are its own plus a tied
+  parameter it reads (the lm head of a tied model: HF registers the embedding's Parameter on the
+  head too, or DeepSpeed registers it as an external parameter on first access,
+  ``ZeROOrderedDict.__getitem__``); ``__param_order`` lists, per trace entry, its parameters in
+  ``ds_id`` order with the entry's step id.
+- ``fetch_sub_module``: one coalesced all-gather of the unit's parameters that are
+  NOT_AVAILABLE (``__all_gather_params``); then, with a complete trace, the unit's parameters
+  not already fetched for this step are popped off the queue (``__most_recent_step_id_param_fetched_for``
+  set to each entry's step), and, when ``prefetch_bucket_size`` > 0, entries are popped while
+  ``numel_prefetching < min(max_live_parameters - __n_available_params, prefetch_bucket_size)``:
+  each NOT_AVAILABLE one joins ONE coalesced prefetch all-gather. ``__n_available_params`` grows by
+  ``ds_numel`` (unpadded) per gathered parameter and shrinks at each release.
+- ``release_sub_module`` after a unit's forward and after its backward (``PostBackwardFunctionModule``
+  on its inputs: never for an embedding, whose input ids need no gradient; those are released by
+  ``release_backward_leftovers`` at the end of backward): a parameter is released unless it is
+  persistent, still active in another unit, fetched by the prefetcher for a later step
+  (``__most_recent_step_id_param_fetched_for > step_id``) or used again within the next
+  ``max_reuse_distance`` elements of the trace (``__params_to_release``, an ``lru_cache`` keyed by
+  (unit, step id): the first complete micro-step decides for all later ones).
+- ``reset_step`` at each forward (the root's pre-forward hook): the prefetch queue restarts,
+  ``__n_available_params`` = 0, in-flight prefetches are released; at the optimizer step every
+  parameter is released (``release_and_reset_all``) and the persistent ones re-gathered.
+
+The trace is the spec's module order: the runtime model and HF implementations call the modules
+in that order (measured, DS 0.19.8: tests/test_deepspeed_tied.py).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["FetchUnit", "Gather", "stage3_gathers"]
+
+_NEVER = -(10**10)  # DeepSpeed's defaultdict(lambda: int(-1e10))
+
+
+@dataclass(frozen=True)
+class FetchUnit:
+    """A module whose forward reads parameters (``params``: indices into ``Layout.tensors``)."""
+
+    name: str
+    params: tuple[int, ...]
+    grad_input: bool = True  # its input needs a gradient: the post-backward release runs
+    backward: bool = True  # its output needs a gradient: fetched again in backward
+
+
+@dataclass(frozen=True)
+class Gather:
+    """One all-gather: the phase, Σ padded elements, how many parameters, the unit that issued it."""
+
+    phase: str
+    elements: int
+    params: int
+    unit: str
+    prefetch: bool
+
+
+@dataclass
+class _Coordinator:
+    numel: list[int]
+    padded: list[int]
+    persistent: list[bool]
+    trace: list[int]  # unit index per step id; -1 = the root (no parameters)
+    units: list[FetchUnit]
+    max_live: int
+    prefetch_bucket: int
+    max_reuse: int
+    available: set[int] = field(default_factory=set)
+    inflight: set[int] = field(default_factory=set)
+    active: dict[int, set[int]] = field(default_factory=dict)
+    cache: dict[tuple[int, int], frozenset[int]] = field(default_factory=dict)
+    gathers: list[Gather] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.uses: list[list[int]] = [[] for _ in self.numel]  # trace entries reading each parameter
+        self.cum = [0]  # elements of the trace before each entry (DeepSpeed's params_traversed)
+        for sid, u in enumerate(self.trace):
+            for p in self.params_of(u):
+                self.uses[p].append(sid)
+            self.cum.append(self.cum[-1] + sum(self.numel[p] for p in self.params_of(u)))
+
+    def params_of(self, u: int) -> tuple[int, ...]:
+        return () if u < 0 else self.units[u].params
+
+    def reset_step(self) -> None:
+        """``reset_step``: in-flight prefetches released, queue and counters restarted."""
+        for p in sorted(self.inflight):
+            self.inflight.discard(p)
+            self._release_param(p)
+        self.queue = deque((p, sid) for sid, u in enumerate(self.trace) for p in self.params_of(u))
+        self.recent: dict[int, int] = {}
+        self.step_id = 0
+        self.n_available = 0
+
+    def _gather(self, ps: list[int], phase: str, unit: str, prefetch: bool) -> None:
+        """``__all_gather_params``: one coalesced call for the NOT_AVAILABLE ones."""
+        todo = [p for p in ps if p not in self.available]
+        if not todo:
+            return
+        self.n_available += sum(self.numel[p] for p in todo)
+        self.available.update(todo)
+        if prefetch:
+            self.inflight.update(todo)
+        self.gathers.append(Gather(phase, sum(self.padded[p] for p in todo), len(todo), unit, prefetch))
+
+    def fetch(self, u: int, phase: str) -> None:
+        """``fetch_sub_module`` / ``_fetch_sub_module_impl`` with a complete trace."""
+        ps = self.params_of(u)
+        name = "(model)" if u < 0 else self.units[u].name
+        self._gather(list(ps), phase, name, False)
+        for p in ps:
+            self.active.setdefault(p, set()).add(u)
+            self.inflight.discard(p)  # waited on
+        sid = self.step_id
+        not_fetched = {p for p in ps if self.recent.get(p, _NEVER) < sid}
+        popped = 0
+        while self.queue and popped < len(not_fetched):
+            p, at = self.queue.popleft()
+            self.recent[p] = at
+            popped += 1
+        if self.prefetch_bucket > 0:
+            room = min(self.max_live - self.n_available, self.prefetch_bucket)
+            chosen: list[int] = []
+            numel = 0
+            while self.queue and numel < room:
+                p, at = self.queue.popleft()
+                if p not in self.available and p not in chosen:
+                    chosen.append(p)
+                    numel += self.numel[p]
+                self.recent[p] = max(self.recent.get(p, _NEVER), at)
+            if numel > 0:
+                self._gather(chosen, phase, name, True)
+        self.step_id += 1
+
+    def _to_release(self, u: int) -> frozenset[int]:
+        """``__params_to_release`` (cached per (unit, step id) as DeepSpeed's ``lru_cache``)."""
+        key = (u, self.step_id)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        sid = self.step_id
+        # the scan visits trace entries from sid on while the elements traversed before each stay
+        # below max_reuse_distance: entries [sid, end); a parameter used there is kept
+        end = bisect_left(self.cum, self.cum[sid] + self.max_reuse, lo=sid) if self.max_reuse > 0 else sid
+        out = frozenset(p for p in self.params_of(u) if not self.persistent[p]
+                        and self.recent.get(p, _NEVER) <= sid and not self._used_in(p, sid, end))
+        self.cache[key] = out
+        return self.cache[key]
+
+    def _used_in(self, p: int, lo: int, hi: int) -> bool:
+        """Whether parameter p is read by a trace entry in [lo, hi)."""
+        at = self.uses[p]
+        i = bisect_left(at, lo)
+        return i < len(at) and at[i] < hi
+
+    def _release_param(self, p: int) -> None:
+        """``__release_param``: only an available parameter no unit is still using."""
+        if p in self.available and p not in self.inflight and not self.active.get(p):
+            self.available.discard(p)
+            self.n_available -= self.numel[p]
+
+    def release(self, u: int) -> None:
+        """``release_sub_module``."""
+        rel = self._to_release(u)
+        for p in self.params_of(u):
+            self.active.get(p, set()).discard(u)
+            if p in rel:
+                self._release_param(p)
+
+    def leftovers(self, pending: list[int]) -> None:
+        """``release_backward_leftovers``: units whose post-backward hook never ran (LIFO)."""
+        for u in reversed(pending):
+            for p in self.params_of(u):
+                self.active.get(p, set()).discard(u)
+                if not self.persistent[p]:
+                    self._release_param(p)
+
+    def micro_step(self) -> None:
+        """One forward and backward with a complete trace."""
+        self.reset_step()
+        self.fetch(-1, "forward")
+        for u in range(len(self.units)):
+            self.fetch(u, "forward")
+            self.release(u)
+        self.release(-1)
+        pending = [-1]
+        self.fetch(-1, "backward")
+        for u in range(len(self.units) - 1, -1, -1):
+            if not self.units[u].backward:
+                continue
+            self.fetch(u, "backward")
+            if self.units[u].grad_input:
+                self.release(u)
+            else:
+                pending.append(u)
+        self.leftovers(pending)
+
+    def boundary(self) -> None:
+        """``release_and_reset_all`` at the optimizer step, then the persistent parameters re-gathered."""
+        self.inflight.clear()
+        self.active.clear()
+        self.available = {p for p in range(len(self.numel)) if self.persistent[p]}
+
+
+def stage3_gathers(numel: list[int], padded: list[int], persistent: list[bool], units: list[FetchUnit], *,
+                   max_live: int, prefetch_bucket: int, max_reuse: int,
+                   grad_accum: int) -> list[tuple[Gather, int]]:
+    """The all-gathers of one steady optimizer step (``grad_accum`` micro-steps): (gather, calls).
+
+    A warm-up step runs first so that ``__params_to_release``'s cache holds what DeepSpeed's
+    first complete-trace micro-step put in it (the measured steps come after two warm-up steps).
+    A micro-step that starts from the state the previous one started from, and adds nothing to the
+    cache, repeats it exactly: the remaining micro-steps are counted, not replayed.
+    """
+    trace = [-1] + list(range(len(units))) + [-1] + [u for u in range(len(units) - 1, -1, -1) if units[u].backward]
+    c = _Coordinator(numel, padded, persistent, trace, units, max_live, prefetch_bucket, max_reuse)
+    out: list[tuple[Gather, int]] = []
+    for measured in (False, True):
+        c.boundary()
+        c.gathers = []
+        last: tuple | None = None
+        for k in range(grad_accum):
+            start = (frozenset(c.available), len(c.cache))
+            mark = len(c.gathers)
+            c.micro_step()
+            if last is not None and start == last[0] and len(c.cache) == start[1]:
+                repeat = grad_accum - k  # this one and every later one
+                if measured:
+                    out.extend((g, repeat) for g in c.gathers[mark:])
+                break
+            last = (start,)
+            if measured:
+                out.extend((g, 1) for g in c.gathers[mark:])
+    return out

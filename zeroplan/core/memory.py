@@ -34,7 +34,7 @@ from zeroplan.core.allocator import communicators, release_under_pressure, requi
 from zeroplan.core.finetune import FineTuneViews
 from zeroplan.core.host_memory import HostMemory, host_memory
 from zeroplan.core.layout import Layout, zero_layout
-from zeroplan.core.memory_buffers import GatherPeak, phase_buffers
+from zeroplan.core.memory_buffers import GatherPeak, PhaseBuffers, phase_buffers
 from zeroplan.core.memory_states import model_state_bytes, state_plan
 from zeroplan.specs.deepspeed_config import ZeroConfig, zero_or_default
 from zeroplan.specs.model import ModelSpec
@@ -229,25 +229,18 @@ def memory_for_stage(
     if finetune is not None and train_layout is None:
         train_layout = zero_layout(finetune.trainable, n_gpus, zero)
     tl = layout if train_layout is None else train_layout
-    notes: list[str] = []
     off_opt = zero.optimizer_offload_device
     off_par = zero.param_offload_device
     sp = state_plan(training, stage, offload=off_opt != "none", flavour=flavour)
-    if sp.note:
-        notes.append(sp.note)
+    notes: list[str] = [sp.note] if sp.note else []
     params, grads_end, opt = model_state_bytes(tl, training, stage, offload=off_opt != "none", flavour=flavour)
     if finetune is not None:
         params = _finetune_param_bytes(finetune, layout, params, training.precision.param_bytes, stage)
         notes.append(_finetune_note(finetune, stage))
     model_states = params + grads_end + opt
 
-    # ---- offload: what stays on the GPU ----
-    gpu_params, gpu_opt, gpu_grads_end = params, opt, grads_end
-    if off_opt != "none":
-        gpu_opt = 0
-        gpu_grads_end = sp.grad_bytes * tl.params if stage == 1 else 0
-    if off_par != "none":
-        gpu_params = training.precision.param_bytes * layout.persistent_padded
+    gpu_params, gpu_opt, gpu_grads_end = _on_gpu(params, opt, grads_end, sp.grad_bytes, tl, layout, training,
+                                                 stage, off_opt, off_par)
 
     pb = phase_buffers(tl, training, zero, stage, off_opt=off_opt, grad_bytes=sp.grad_bytes,
                        grad_end=gpu_grads_end, wrapper=sp.wrapper, gather_layout=layout)
@@ -273,7 +266,7 @@ def memory_for_stage(
                                                               gpu_memory_bytes, step_pinned, notes)
     peak = reserved + od.get("cuda_context", 0) + od.get("nccl", 0)
 
-    gp = pb.gather_forward if peak_phase == "forward" else pb.gather_backward if peak_phase == "backward" else None
+    gp, gather = _peak_gather(pb, stage, peak_phase)
     cats = phases[peak_phase].by_category
     return MemoryBreakdown(
         params=gpu_params,
@@ -293,8 +286,7 @@ def memory_for_stage(
         buffers_detail=buffers,
         activations_detail=act,
         overhead_detail=od,
-        gather=(max((g for g in (pb.gather_forward, pb.gather_backward) if g), key=lambda g: g.total_bytes)
-                if stage == 3 and (pb.gather_forward or pb.gather_backward) else None),
+        gather=gather,
         host=host,
         communicators=n_comm,
         side_stream_bytes=side,
@@ -303,3 +295,26 @@ def memory_for_stage(
         step_transient_bytes=pb.step_transient,
         notes=notes,
     )
+
+
+def _on_gpu(params: int, opt: int, grads_end: int, grad_bytes: int, tl: Layout, layout: Layout,
+            training: TrainingSetup, stage: int, off_opt: str, off_par: str) -> tuple[int, int, int]:
+    """What stays on the GPU under offload: (parameters, optimizer states, gradients at the end of
+    backward). Optimizer offload moves the states and (stages 2-3) the gradient partition to the host;
+    stage 1 keeps its reduced gradients on the GPU. Parameter offload keeps only persistent params."""
+    gpu_params, gpu_opt, gpu_grads_end = params, opt, grads_end
+    if off_opt != "none":
+        gpu_opt = 0
+        gpu_grads_end = grad_bytes * tl.params if stage == 1 else 0
+    if off_par != "none":
+        gpu_params = training.precision.param_bytes * layout.persistent_padded
+    return gpu_params, gpu_opt, gpu_grads_end
+
+
+def _peak_gather(pb: PhaseBuffers, stage: int, peak_phase: str) -> tuple[GatherPeak | None, GatherPeak | None]:
+    """Stage 3's gathered parameters: those live in the peak phase (for the peak's reason) and the
+    larger of the forward and backward gathers (reported)."""
+    gp = pb.gather_forward if peak_phase == "forward" else pb.gather_backward if peak_phase == "backward" else None
+    gathers = [g for g in (pb.gather_forward, pb.gather_backward) if g]
+    gather = max(gathers, key=lambda g: g.total_bytes) if stage == 3 and gathers else None
+    return gp, gather

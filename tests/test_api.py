@@ -201,6 +201,22 @@ def test_plan_from_a_catalog_name_loads_no_file_reader_and_builds_no_unused_vali
     assert r.returncode == 0, r.stderr
 
 
+def test_every_specs_model_is_built_on_first_use():
+    """specs/__init__.py: the specs' pydantic models are declared with defer_build (issue 14)."""
+    import importlib
+    import inspect as pyinspect
+
+    from pydantic import BaseModel
+
+    eager = []
+    for path in sorted((ROOT / "zeroplan" / "specs").glob("*.py")):
+        mod = importlib.import_module(f"zeroplan.specs.{path.stem}")
+        eager += [f"{mod.__name__}.{name}" for name, cls in vars(mod).items()
+                  if pyinspect.isclass(cls) and issubclass(cls, BaseModel) and cls.__module__ == mod.__name__
+                  and not cls.model_config.get("defer_build")]
+    assert not eager, eager
+
+
 def test_cli_json_path_imports_no_rich_and_only_its_command():
     code = ("import sys\n"
             "from zeroplan.cli import main\n"

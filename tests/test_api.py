@@ -180,6 +180,43 @@ def test_import_zeroplan_and_planning_imports_no_torch_rich_or_typer():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_plan_from_a_catalog_name_loads_no_file_reader_and_builds_no_unused_validator():
+    """Issue 14 (cold start): the readers load where a file is read, specs models build on first use."""
+    code = ("import sys, zeroplan\n"
+            "zeroplan.estimate(model='llama-2-70b', gpus=64)\n"
+            "readers = ('zeroplan.specs.ds_reader', 'zeroplan.specs.ds_parse', 'zeroplan.specs.hardware_load',\n"
+            "           'zeroplan.specs.hardware_toml', 'zeroplan.specs.training_files', 'zeroplan.advice.recommend',\n"
+            "           'zeroplan.report.render', 'zeroplan.inspect.nccl_log')\n"
+            "loaded = [m for m in readers if m in sys.modules]\n"
+            "assert not loaded, loaded\n"
+            "from zeroplan.specs.ds_schema import DSConfig, ZeroConfig\n"
+            "from zeroplan.specs.hardware_schema import HardwareProfile\n"
+            "built = [c.__name__ for c in (DSConfig, HardwareProfile) if c.__pydantic_complete__]\n"
+            "assert not built, built\n"
+            "assert ZeroConfig.__pydantic_complete__  # used by every plan: built on that first use\n"
+            "zeroplan.estimate(model='llama-2-7b', hardware='dgx-h100', gpus=8)\n"
+            "assert 'zeroplan.specs.hardware_load' in sys.modules and HardwareProfile.__pydantic_complete__\n"
+            "assert 'zeroplan.specs.ds_reader' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_specs_model_is_built_on_first_use():
+    """specs/__init__.py: the specs' pydantic models are declared with defer_build (issue 14)."""
+    import importlib
+    import inspect as pyinspect
+
+    from pydantic import BaseModel
+
+    eager = []
+    for path in sorted((ROOT / "zeroplan" / "specs").glob("*.py")):
+        mod = importlib.import_module(f"zeroplan.specs.{path.stem}")
+        eager += [f"{mod.__name__}.{name}" for name, cls in vars(mod).items()
+                  if pyinspect.isclass(cls) and issubclass(cls, BaseModel) and cls.__module__ == mod.__name__
+                  and not cls.model_config.get("defer_build")]
+    assert not eager, eager
+
+
 def test_cli_json_path_imports_no_rich_and_only_its_command():
     code = ("import sys\n"
             "from zeroplan.cli import main\n"

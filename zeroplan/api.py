@@ -24,6 +24,11 @@ A user mistake (unknown model, bad value, a DeepSpeed config DeepSpeed would ref
 :class:`zeroplan.InputError` naming the option or file, the value and what was
 expected; an unknown field or a value of the wrong type raises pydantic's ``ValidationError``.
 No call imports torch or rich.
+
+Lazy imports (zeroplan/ARCHITECTURE.md): the heavier result types and the commands' engines
+(advice, report, inspect) are imported inside the call that needs them, and ``load_ds_config`` /
+``load_profile`` resolve on first access (module ``__getattr__``): a plan from a catalog name
+never reads a DeepSpeed config or a profile TOML, so it neither compiles nor runs their readers.
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ from zeroplan.core.plan import ClusterSummary, EstimateResult, evaluate, model_s
 from zeroplan.options import (
     COMM_MODELS, CheckOptions, CommonOptions, PlanOptions, RecommendOptions, ReportOptions,
 )
-from zeroplan.specs.deepspeed_config import DSConfig, load_ds_config
-from zeroplan.specs.hardware import HardwareProfile, load_profile
+from zeroplan.specs.ds_schema import DSConfig
+from zeroplan.specs.hardware_schema import HardwareProfile
 from zeroplan.specs.model import ModelSpec, load_model
 
 if TYPE_CHECKING:  # result types of heavier modules, imported when a call needs them (see __getattr__)
@@ -47,6 +52,8 @@ if TYPE_CHECKING:  # result types of heavier modules, imported when a call needs
     from zeroplan.advice.recommend import Recommendation
     from zeroplan.inspect.nccl_log import NcclLogReport
     from zeroplan.report.sweep import ReportData
+    from zeroplan.specs.ds_reader import load_ds_config
+    from zeroplan.specs.hardware_load import load_profile
 
 __all__ = [
     "estimate", "recommend", "check", "config_paths", "peft_sidecar_path", "build_report", "read_nccl_log", "plan_inputs",
@@ -345,8 +352,10 @@ def read_nccl_log(file: str, plan: PlanOptions | None = None, /, *, steps: int =
 
 def __getattr__(name: str) -> Any:
     # result types named in the signatures above, imported on first use (their modules are heavier)
+    # and the file readers re-exported here (a plan from a catalog name never reads a file)
     where = {"Recommendation": "zeroplan.advice", "CheckReport": "zeroplan.advice",
-             "ReportData": "zeroplan.report.sweep", "NcclLogReport": "zeroplan.inspect.nccl_log"}
+             "ReportData": "zeroplan.report.sweep", "NcclLogReport": "zeroplan.inspect.nccl_log",
+             "load_ds_config": "zeroplan.specs.ds_reader", "load_profile": "zeroplan.specs.hardware_load"}
     if name in where:
         import importlib
 

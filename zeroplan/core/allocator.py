@@ -35,7 +35,7 @@ local and the cross-node all-to-all groups (``_get_local_all_to_all_group``).
 
 from __future__ import annotations
 
-from zeroplan.specs.deepspeed_config import ZeroConfig
+from zeroplan.specs.ds_schema import ZeroConfig
 
 __all__ = ["MIB", "communicators", "release_under_pressure", "required_bytes", "reserved_bytes", "round_block",
            "round_segment"]

@@ -12,8 +12,8 @@ from typing import Any
 
 from zeroplan._util import InputError, read_text_file
 from zeroplan.specs.config_lines import find_key_line, key_lines
-from zeroplan.specs.deepspeed_config import DEEPSPEED_VERSION, ZEROPLAN_KEY, DSConfig
-from zeroplan.specs.ds_schema import ActivationCheckpointingConfig
+from zeroplan.specs.ds_keys import ZEROPLAN_KEY
+from zeroplan.specs.ds_schema import DEEPSPEED_VERSION, ActivationCheckpointingConfig, DSConfig
 from zeroplan.specs.training import ACTIVATION_IMPLS
 
 __all__ = ["CHECKPOINTING", "optimizer_impl_from_config", "grad_accum_dtype_from_config", "planning_metadata",

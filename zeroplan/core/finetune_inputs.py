@@ -13,6 +13,9 @@ What DeepSpeed 0.19.8 accepts with quantised base weights is checked here: ZeRO-
 every parameter into flat buffers of one dtype, so 4-bit weights must be stored in the model's
 dtype (``bnb_4bit_quant_storage``, as PEFT's DeepSpeed guide requires), and bitsandbytes'
 8-bit ``Int8Params`` (int8 data + a row-scale attribute) cannot be partitioned at all.
+
+The four training-file readers (``specs.training_files``) are imported in
+``read_training_files`` when a file is given, so a plan without one never loads them (issue 14).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from zeroplan._util import InputError
 from zeroplan.core.finetune import FineTuneViews, finetune_views
 from zeroplan.specs.finetune import ALL_LINEAR, FineTune, LoraSpec, QuantSpec
 from zeroplan.specs.model import ModelSpec
-from zeroplan.specs.training_files import FORMATS, TrainingFile, read_training_file
+from zeroplan.specs.trainfile_reader import TrainingFile
 
 # build_plan_inputs' fine-tuning keywords (the fields of the options models that carry them)
 FINETUNE_KEYS = ("method", "lora_r", "lora_alpha", "lora_targets", "dora", "modules_to_save", "trainable",
@@ -81,6 +84,8 @@ def read_training_files(paths: dict[str, str | None]) -> TrainingFile | None:
     if not given:
         return None
     key, path = given[0]
+    from zeroplan.specs.training_files import FORMATS, read_training_file  # the four readers, only for a file
+
     assert TRAINING_FILE_OPTIONS[key] in FORMATS
     return read_training_file(TRAINING_FILE_OPTIONS[key], path)
 

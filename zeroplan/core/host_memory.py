@@ -20,7 +20,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from zeroplan.core.layout import Layout
-from zeroplan.specs.deepspeed_config import ZeroConfig
+from zeroplan.specs.ds_schema import ZeroConfig
 from zeroplan.specs.training import TrainingSetup
 
 __all__ = ["HostMemory", "host_memory", "pinned_block"]

@@ -3,6 +3,11 @@
 Library code below advice (it was commands/_inputs.py): shared by estimate, recommend, check,
 report and nccl-log. Every user mistake raises
 InputError naming the option or file, the value and what was expected.
+
+Two imports sit inside the function that needs them: the DeepSpeed config reader
+(``specs.ds_reader``) where a ``--ds-config`` is read, and the profile reader
+(``specs.hardware_load``: TOML, sanity checks) where a ``--hardware`` is loaded, so a plan from a
+catalog name alone neither compiles nor runs them (issue 14: the cold start).
 """
 
 from __future__ import annotations
@@ -26,15 +31,9 @@ from zeroplan.core.finetune import FineTuneViews
 from zeroplan.core.finetune_inputs import (
     FineTuneOptions, fill_from_file, fill_from_record, read_training_files, resolve_finetune,
 )
-from zeroplan.specs.deepspeed_config import (
-    ZEROPLAN_KEY,
-    DSConfig,
-    OffloadOptimizerConfig,
-    OffloadParamConfig,
-    ZeroConfig,
-    load_ds_config,
-)
-from zeroplan.specs.hardware import HardwareProfile, load_profile
+from zeroplan.specs.ds_keys import ZEROPLAN_KEY
+from zeroplan.specs.ds_schema import DSConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from zeroplan.specs.hardware_schema import HardwareProfile
 from zeroplan.specs.model import ModelSpec, load_model
 from zeroplan.specs.training import GRAD_ACCUM_DTYPES, OPTIMIZER_IMPLS, TrainingSetup, get_optimizer, get_precision
 
@@ -250,6 +249,8 @@ def _load_config(ds_config: str | None, *, strict: bool, spec: ModelSpec, precis
     if ds_config is not None:
         if precision is not None:
             get_precision(precision)  # a bad --precision is the option's mistake, not the file's
+        from zeroplan.specs.ds_reader import load_ds_config  # the reader, only when a config is read
+
         ds = load_ds_config(ds_config, strict=strict, hidden_size=spec.hidden_size, micro_batch=micro_batch,
                             grad_accum=grad_accum, world_size=n_gpus, precision=precision)
     return ds
@@ -333,6 +334,8 @@ def build_plan_inputs(
     spec = load_model(model)
     hw = None
     if hardware is not None:
+        from zeroplan.specs.hardware_load import load_profile  # the TOML reader and checks, only with --hardware
+
         hw = load_profile(hardware)
     assumptions: list[str] = []
 

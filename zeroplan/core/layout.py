@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from zeroplan.core.stage3_fetch import FetchUnit
-from zeroplan.specs.deepspeed_config import ZeroConfig
+from zeroplan.specs.ds_schema import ZeroConfig
 from zeroplan.specs.model import ModelSpec
 
 __all__ = ["Tensor", "Module", "Layout", "Stage3Schedule", "build_layout", "zero_layout", "ceil_div",

@@ -36,7 +36,7 @@ from zeroplan.core.host_memory import HostMemory, host_memory
 from zeroplan.core.layout import Layout, zero_layout
 from zeroplan.core.memory_buffers import GatherPeak, PhaseBuffers, phase_buffers
 from zeroplan.core.memory_states import model_state_bytes, state_plan
-from zeroplan.specs.deepspeed_config import ZeroConfig, zero_or_default
+from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from zeroplan.core.comm import STAGE0_BUCKET
 from zeroplan.core.layout import Layout, Stage3Schedule, stage3_schedule
 from zeroplan.core.memory_states import optimizer_temp_bytes
-from zeroplan.specs.deepspeed_config import ZeroConfig
+from zeroplan.specs.ds_schema import ZeroConfig
 from zeroplan.specs.training import TrainingSetup
 
 __all__ = ["GatherPeak", "PhaseBuffers", "phase_buffers"]

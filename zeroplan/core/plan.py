@@ -19,7 +19,7 @@ from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for
 from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
-from zeroplan.specs.deepspeed_config import ZeroConfig, zero_or_default
+from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.findings import Finding
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup

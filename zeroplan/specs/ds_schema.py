@@ -68,7 +68,7 @@ class OffloadOptimizerConfig(BaseModel):
     sub-groups stepped on the CPU; < 1 is valid only for stage 3.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", validate_assignment=True)
     device: OffloadDevice = "none"
     nvme_path: str | None = None
     buffer_count: Annotated[int, Field(ge=0)] = 4
@@ -87,7 +87,7 @@ class OffloadParamConfig(BaseModel):
     ``buffer_size`` and ``max_in_cpu`` are element counts.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", validate_assignment=True)
     device: OffloadDevice = "none"
     nvme_path: str | None = None
     buffer_count: Annotated[int, Field(ge=0)] = 5
@@ -111,7 +111,7 @@ class ZeroConfig(BaseModel):
     for what DeepSpeed actually does.
     """
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=False)
+    model_config = ConfigDict(defer_build=True, extra="forbid", populate_by_name=True, validate_assignment=False)
 
     stage: Annotated[int, Field(ge=0, le=3)] = 0
     contiguous_gradients: bool = True
@@ -225,6 +225,8 @@ class DSConfig(BaseModel):
     DeepSpeed resolves to the training precision (see ``resolved_communication_data_type``).
     ``auto_resolved`` maps a dotted key to ``{"value": ..., "how": "..."}``.
     """
+
+    model_config = ConfigDict(defer_build=True)
 
     path: str | None = None
     raw: dict[str, Any]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 __all__ = ["Severity", "Finding", "SEVERITY_ORDER"]
 
@@ -15,6 +15,8 @@ SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
 class Finding(BaseModel):
     """One observation. ``key`` is a dotted path into the input (e.g.
     ``zero_optimization.reduce_bucket_size``) or empty when it concerns the whole plan."""
+
+    model_config = ConfigDict(defer_build=True)
 
     rule_id: str  # stable, e.g. "ZP101"
     severity: Severity

@@ -67,7 +67,7 @@ MAX_LORA_RANK = 1 << 16
 class LoraSpec(BaseModel):
     """A PEFT LoraConfig, as far as memory depends on it."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(defer_build=True, frozen=True)
     r: int = Field(16, ge=1, le=MAX_LORA_RANK)
     alpha: float | None = None  # scaling only; no memory effect
     targets: tuple[str, ...] | str = ("q_proj", "v_proj")  # a list, a regex string, or "all-linear"
@@ -78,7 +78,7 @@ class LoraSpec(BaseModel):
 class QuantSpec(BaseModel):
     """bitsandbytes quantisation of the frozen base weights (QLoRA)."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(defer_build=True, frozen=True)
     bits: Literal[4, 8] = 4
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
@@ -88,7 +88,7 @@ class QuantSpec(BaseModel):
 class FineTune(BaseModel):
     """How the model is fine-tuned. ``method="full"`` with no patterns is plain training."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(defer_build=True, frozen=True)
     method: Literal["full", "lora", "qlora"] = "full"
     lora: LoraSpec | None = None
     quant: QuantSpec | None = None
@@ -102,6 +102,8 @@ class FineTune(BaseModel):
 
 
 class TargetCount(BaseModel):
+    model_config = ConfigDict(defer_build=True)
+
     target: str  # the module-name suffix it matched ("q_proj"), or the module for regex targets
     modules: int
     params: int
@@ -109,6 +111,8 @@ class TargetCount(BaseModel):
 
 class FineTuneInventory(BaseModel):
     """Exact element counts of a fine-tuned model (PEFT's view of the parameters)."""
+
+    model_config = ConfigDict(defer_build=True)
 
     method: str
     base_params: int  # the model's own parameters (tied counted once)

@@ -15,7 +15,7 @@ TiB = 2**40
 
 class _Strict(BaseModel):
     # strict: a TOML string "8" is not a number (no lax coercion); ints are accepted for floats
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(defer_build=True, extra="forbid", strict=True)
 
 
 class GPUSpec(_Strict):

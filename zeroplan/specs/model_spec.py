@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from zeroplan._util import InputError
 from zeroplan.specs.model_families import _FAMILIES, SUPPORTED_MODEL_TYPES, _llama_like, _T
@@ -45,6 +45,8 @@ ROLES = (
 class ParamTensor(BaseModel):
     """One parameter tensor, named as in the Hugging Face implementation."""
 
+    model_config = ConfigDict(defer_build=True)
+
     name: str  # e.g. "model.layers.0.self_attn.q_proj.weight"
     module: str  # the module owning it directly, e.g. "model.layers.0.self_attn.q_proj"
     shape: list[int]
@@ -62,11 +64,15 @@ class ParamTensor(BaseModel):
 
 
 class ModuleParams(BaseModel):
+    model_config = ConfigDict(defer_build=True)
+
     name: str
     params: int  # parameters owned directly (non-recursive), DeepSpeed's definition
 
 
 class ModelSpec(BaseModel):
+    model_config = ConfigDict(defer_build=True)
+
     name: str
     source: str  # "catalog:llama-2-7b", "config:/path/config.json", "count:70B"
     model_type: str  # HF model_type ("llama", "gpt2", ...) or "generic"

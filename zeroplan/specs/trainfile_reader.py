@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from zeroplan._util import InputError, read_text_file
 from zeroplan.specs.finetune import FineTune
@@ -23,6 +23,8 @@ MAX_FILE_BYTES = 4 * 1024 * 1024
 
 class TrainingFile(BaseModel):
     """What a training file says about the run; None = the file does not say."""
+
+    model_config = ConfigDict(defer_build=True)
 
     source: str
     format: str

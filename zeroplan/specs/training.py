@@ -43,7 +43,7 @@ GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
 class PrecisionPreset(BaseModel):
     """Bytes per parameter for the model's own copy, its gradients, and the compute dtype."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(defer_build=True, frozen=True)
     name: str
     param_bytes: int  # the working (compute) copy of the weights
     grad_bytes: int  # gradients, same dtype as params under DeepSpeed ZeRO
@@ -57,7 +57,7 @@ class PrecisionPreset(BaseModel):
 class OptimizerPreset(BaseModel):
     """Optimizer state bytes per parameter, excluding the fp32 master copy."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(defer_build=True, frozen=True)
     name: str
     state_bytes: float  # Adam: m + v = 8; SGD momentum: 4; SGD: 0; 8-bit Adam: 2
     description: str
@@ -105,6 +105,8 @@ def get_optimizer(name: str) -> OptimizerPreset:
 
 class TrainingSetup(BaseModel):
     """The training-loop shape that memory and time depend on."""
+
+    model_config = ConfigDict(defer_build=True)
 
     precision: PrecisionPreset = PRECISIONS["fp32"]
     precision_source: str = "default (no DeepSpeed config: fp32)"

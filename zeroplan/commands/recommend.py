@@ -126,104 +126,105 @@ def _write_peft(path: str, rec: Any, ds_config_path: str) -> None:
     atomic_write_text(path, json.dumps(settings, indent=2, allow_nan=False) + "\n")
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("recommend")
-    @handle_errors
-    def recommend_cmd(
-        model: OptionalModel = None,
-        hardware: Hardware = None,
-        gpus: Gpus = None,
-        nodes: Nodes = None,
-        gpus_per_node: GpusPerNode = None,
-        ds_config: DsConfig = None,
-        precision: Precision = None,
-        optimizer: Optimizer = None,
-        micro_batch: MicroBatch = None,
-        max_micro_batch: Annotated[Optional[int], typer.Option(
-            "--max-micro-batch", metavar="N", show_default="1024",
-            help="Largest micro-batch to search.")] = None,
-        seq_len: SeqLen = None,
-        grad_accum: GradAccum = None,
-        checkpointing: Checkpointing = None,
-        flash_attention: FlashAttention = None,
-        stage: Stage = None,
-        headroom: Headroom = DEFAULT_HEADROOM,
-        allow_nvme: Annotated[bool, typer.Option("--nvme/--no-nvme", help="Consider NVMe offload.")] = (
-            RecommendOptions.model_fields["allow_nvme"].default),
-        top: Annotated[int, typer.Option("--top", metavar="N", help="Alternatives shown.")] = DEFAULT_TOP,
-        comm_model: CommModel = DEFAULT_COMM_MODEL,
-        mfu: Mfu = DEFAULT_MFU,
-        strict: Strict = False,
-        lenient: Lenient = False,
-        emit_config: Annotated[Optional[str], typer.Option(
-            "--emit-config", metavar="PATH", show_default="none",
-            help="Write the chosen DeepSpeed config (JSON, atomically), with a zeroplan block recording the "
-                 "sequence length and checkpointing it assumes, so `zeroplan check` reads them back; and beside it "
-                 "(PATH.json -> PATH.peft.json) the PEFT, bitsandbytes and Trainer settings it assumes.")] = None,
-        method: Method = None,
-        lora_r: LoraR = None,
-        lora_ranks: LoraRanks = None,
-        global_batch: GlobalBatchTarget = None,
-        lora_alpha: LoraAlpha = None,
-        lora_targets: LoraTargets = None,
-        dora: Dora = False,
-        modules_to_save: ModulesToSave = None,
-        trainable: Trainable = None,
-        quant_bits: QuantBits = None,
-        double_quant: DoubleQuant = True,
-        quant_storage: QuantStorage = None,
-        accelerate_config: AccelerateConfig = None,
-        hf_args: HfArgs = None,
-        axolotl: Axolotl = None,
-        llama_factory: LlamaFactory = None,
-        json_out: Json = False,
-    ) -> None:
-        """Which ZeRO stage, offload, micro-batch, checkpointing and buckets to use on this cluster, and why.
+def recommend_cmd(
+    model: OptionalModel = None,
+    hardware: Hardware = None,
+    gpus: Gpus = None,
+    nodes: Nodes = None,
+    gpus_per_node: GpusPerNode = None,
+    ds_config: DsConfig = None,
+    precision: Precision = None,
+    optimizer: Optimizer = None,
+    micro_batch: MicroBatch = None,
+    max_micro_batch: Annotated[Optional[int], typer.Option(
+        "--max-micro-batch", metavar="N", show_default="1024",
+        help="Largest micro-batch to search.")] = None,
+    seq_len: SeqLen = None,
+    grad_accum: GradAccum = None,
+    checkpointing: Checkpointing = None,
+    flash_attention: FlashAttention = None,
+    stage: Stage = None,
+    headroom: Headroom = DEFAULT_HEADROOM,
+    allow_nvme: Annotated[bool, typer.Option("--nvme/--no-nvme", help="Consider NVMe offload.")] = (
+        RecommendOptions.model_fields["allow_nvme"].default),
+    top: Annotated[int, typer.Option("--top", metavar="N", help="Alternatives shown.")] = DEFAULT_TOP,
+    comm_model: CommModel = DEFAULT_COMM_MODEL,
+    mfu: Mfu = DEFAULT_MFU,
+    strict: Strict = False,
+    lenient: Lenient = False,
+    emit_config: Annotated[Optional[str], typer.Option(
+        "--emit-config", metavar="PATH", show_default="none",
+        help="Write the chosen DeepSpeed config (JSON, atomically), with a zeroplan block recording the "
+             "sequence length and checkpointing it assumes, so `zeroplan check` reads them back; and beside it "
+             "(PATH.json -> PATH.peft.json) the PEFT, bitsandbytes and Trainer settings it assumes.")] = None,
+    method: Method = None,
+    lora_r: LoraR = None,
+    lora_ranks: LoraRanks = None,
+    global_batch: GlobalBatchTarget = None,
+    lora_alpha: LoraAlpha = None,
+    lora_targets: LoraTargets = None,
+    dora: Dora = False,
+    modules_to_save: ModulesToSave = None,
+    trainable: Trainable = None,
+    quant_bits: QuantBits = None,
+    double_quant: DoubleQuant = True,
+    quant_storage: QuantStorage = None,
+    accelerate_config: AccelerateConfig = None,
+    hf_args: HfArgs = None,
+    axolotl: Axolotl = None,
+    llama_factory: LlamaFactory = None,
+    json_out: Json = False,
+) -> None:
+    """Which ZeRO stage, offload, micro-batch, checkpointing and buckets to use on this cluster, and why.
 
-        Capacity first (peak per GPU, host RAM and NVMe per node must fit with --headroom), then the
-        highest useful throughput, preferring the lower stage within 5% and no offload unless it is
-        twice as fast. Example: zeroplan recommend -m llama-2-70b -H h100-8x-ib400 --nodes 4 -p bf16
-        """
-        from zeroplan._util import validate_output_path
-        from zeroplan.api import recommend as recommend_api
+    Capacity first (peak per GPU, host RAM and NVMe per node must fit with --headroom), then the
+    highest useful throughput, preferring the lower stage within 5% and no offload unless it is
+    twice as fast. Example: zeroplan recommend -m llama-2-70b -H h100-8x-ib400 --nodes 4 -p bf16
+    """
+    from zeroplan._util import validate_output_path
+    from zeroplan.api import recommend as recommend_api
 
-        from zeroplan.api import peft_sidecar_path
+    from zeroplan.api import peft_sidecar_path
 
-        sidecar = peft_sidecar_path(emit_config) if emit_config is not None else None
-        for path in (emit_config, sidecar):
-            validate_output_path(path, option="--emit-config",
-                                 inputs={"--ds-config": ds_config, "--hardware": hardware, "--model": model})
-        options = options_from(RecommendOptions, locals())
-        show_progress = not json_out and sys.stdout.isatty()
-        prog_cb = None
-        progress = None
-        if show_progress and hardware is not None:
-            from rich.progress import Progress
+    sidecar = peft_sidecar_path(emit_config) if emit_config is not None else None
+    for path in (emit_config, sidecar):
+        validate_output_path(path, option="--emit-config",
+                             inputs={"--ds-config": ds_config, "--hardware": hardware, "--model": model})
+    options = options_from(RecommendOptions, locals())
+    show_progress = not json_out and sys.stdout.isatty()
+    prog_cb = None
+    progress = None
+    if show_progress and hardware is not None:
+        from rich.progress import Progress
 
-            progress = Progress(transient=True)
-            task = progress.add_task("searching", total=None)
-            progress.start()
+        progress = Progress(transient=True)
+        task = progress.add_task("searching", total=None)
+        progress.start()
 
-            def prog_cb(done: int, total: int) -> None:
-                progress.update(task, completed=done, total=total)
-        try:
-            rec = recommend_api(options, progress=prog_cb)
-        finally:
-            if progress is not None:
-                progress.stop()
+        def prog_cb(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+    try:
+        rec = recommend_api(options, progress=prog_cb)
+    finally:
+        if progress is not None:
+            progress.stop()
+    if emit_config is not None and rec.ds_config is not None:
+        from zeroplan.specs.deepspeed_config import write_ds_config
+
+        write_ds_config(emit_config, rec.ds_config)
+        _write_peft(sidecar, rec, emit_config)
+    if json_out:
+        print_json(rec)
+    else:
+        con = console()
+        render_recommendation(con, rec)
         if emit_config is not None and rec.ds_config is not None:
-            from zeroplan.specs.deepspeed_config import write_ds_config
+            con.print(f"wrote {emit_config} and {sidecar}", markup=False, highlight=False)
+    if emit_config is not None and rec.ds_config is None:
+        from zeroplan.commands._common import fail
 
-            write_ds_config(emit_config, rec.ds_config)
-            _write_peft(sidecar, rec, emit_config)
-        if json_out:
-            print_json(rec)
-        else:
-            con = console()
-            render_recommendation(con, rec)
-            if emit_config is not None and rec.ds_config is not None:
-                con.print(f"wrote {emit_config} and {sidecar}", markup=False, highlight=False)
-        if emit_config is not None and rec.ds_config is None:
-            from zeroplan.commands._common import fail
+        fail(f"--emit-config {emit_config}: nothing fits, so no config was written", 1)
 
-            fail(f"--emit-config {emit_config}: nothing fits, so no config was written", 1)
+
+def register(app: typer.Typer) -> None:
+    app.command("recommend")(handle_errors(recommend_cmd))

@@ -49,104 +49,105 @@ def _print_sweep_table(con: Any, data: dict[str, Any]) -> None:
         con.print(table)
 
 
+def report(
+    model: OptionalModel = None,
+    hardware: Hardware = None,
+    gpus: Gpus = None,
+    nodes: Nodes = None,
+    gpus_per_node: GpusPerNode = None,
+    ds_config: DsConfig = None,
+    precision: Precision = None,
+    optimizer: Optimizer = None,
+    micro_batch: MicroBatch = None,
+    seq_len: SeqLen = None,
+    grad_accum: GradAccum = None,
+    checkpointing: Checkpointing = None,
+    flash_attention: FlashAttention = None,
+    offload_optimizer: OffloadOptimizer = None,
+    offload_param: OffloadParam = None,
+    optimizer_impl: OptimizerImpl = None,
+    stage: Stage = None,
+    comm_model: CommModel = DEFAULT_COMM_MODEL,
+    mfu: Mfu = DEFAULT_MFU,
+    strict: Strict = False,
+    lenient: Lenient = False,
+    html: Annotated[Optional[str], typer.Option(
+        "--html", metavar="PATH", show_default="none",
+        help="Write a self-contained HTML report (inline SVG charts, no network) to this path.")] = None,
+    svg: Annotated[Optional[str], typer.Option(
+        "--svg", metavar="PATH", show_default="none",
+        help="Write the per-GPU memory chart alone as an SVG file.")] = None,
+    max_nodes: Annotated[int, typer.Option(
+        "--max-nodes", metavar="N", help="Sweeps go to this many nodes (1, 2, 4, …).")] = DEFAULT_MAX_NODES,
+    method: Method = None,
+    lora_r: LoraR = None,
+    lora_alpha: LoraAlpha = None,
+    lora_targets: LoraTargets = None,
+    dora: Dora = False,
+    modules_to_save: ModulesToSave = None,
+    trainable: Trainable = None,
+    quant_bits: QuantBits = None,
+    double_quant: DoubleQuant = True,
+    quant_storage: QuantStorage = None,
+    accelerate_config: AccelerateConfig = None,
+    hf_args: HfArgs = None,
+    axolotl: Axolotl = None,
+    llama_factory: LlamaFactory = None,
+    json_out: Json = False,
+) -> None:
+    """Charts: per-GPU memory by category vs GPU memory, compute vs communication, and sweeps over
+    the number of GPUs and nodes — in the terminal, or as one self-contained HTML file.
+
+    Example: zeroplan report --model llama-2-70b --hardware dgx-h100 --nodes 4 --precision bf16 --html r.html
+    """
+    from zeroplan._util import validate_output_path
+    from zeroplan.api import build_report
+
+    ins = {"--model": model, "--hardware": hardware, "--ds-config": ds_config}
+    validate_output_path(html, option="--html", inputs=ins)
+    validate_output_path(svg, option="--svg", inputs={**ins, "--html": html})
+    options = options_from(ReportOptions, locals())
+    con = console()
+    show_progress = not json_out and sys.stdout.isatty() and con.is_terminal
+    if show_progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("evaluating plans"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=con, transient=True) as progress:
+            task = progress.add_task("sweep", total=None)
+            data = build_report(options, progress=lambda done, total: progress.update(
+                task, completed=done, total=total))
+    else:
+        data = build_report(options)
+
+    from zeroplan._util import atomic_write_text
+
+    written = []
+    if html is not None:
+        from zeroplan.report.html import render_report_html
+
+        atomic_write_text(html, render_report_html(data.model_dump(mode="json")))
+        written.append(html)
+    if svg is not None:
+        from zeroplan.report.html import memory_chart_svg
+
+        atomic_write_text(svg, memory_chart_svg(data.model_dump(mode="json"), standalone=True))
+        written.append(svg)
+    if json_out:
+        print_json(data)
+        return
+    if written:
+        for path in written:
+            con.print(f"wrote {path} ({Path(path).stat().st_size:,} bytes)", markup=False, highlight=False)
+        return
+    from zeroplan.report.charts import render_memory_bars, render_time_bars
+
+    render_memory_bars(con, data.estimate)
+    con.print()
+    render_time_bars(con, data.estimate)
+    con.print()
+    _print_sweep_table(con, data.model_dump(mode="json"))
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("report")
-    @handle_errors
-    def report(
-        model: OptionalModel = None,
-        hardware: Hardware = None,
-        gpus: Gpus = None,
-        nodes: Nodes = None,
-        gpus_per_node: GpusPerNode = None,
-        ds_config: DsConfig = None,
-        precision: Precision = None,
-        optimizer: Optimizer = None,
-        micro_batch: MicroBatch = None,
-        seq_len: SeqLen = None,
-        grad_accum: GradAccum = None,
-        checkpointing: Checkpointing = None,
-        flash_attention: FlashAttention = None,
-        offload_optimizer: OffloadOptimizer = None,
-        offload_param: OffloadParam = None,
-        optimizer_impl: OptimizerImpl = None,
-        stage: Stage = None,
-        comm_model: CommModel = DEFAULT_COMM_MODEL,
-        mfu: Mfu = DEFAULT_MFU,
-        strict: Strict = False,
-        lenient: Lenient = False,
-        html: Annotated[Optional[str], typer.Option(
-            "--html", metavar="PATH", show_default="none",
-            help="Write a self-contained HTML report (inline SVG charts, no network) to this path.")] = None,
-        svg: Annotated[Optional[str], typer.Option(
-            "--svg", metavar="PATH", show_default="none",
-            help="Write the per-GPU memory chart alone as an SVG file.")] = None,
-        max_nodes: Annotated[int, typer.Option(
-            "--max-nodes", metavar="N", help="Sweeps go to this many nodes (1, 2, 4, …).")] = DEFAULT_MAX_NODES,
-        method: Method = None,
-        lora_r: LoraR = None,
-        lora_alpha: LoraAlpha = None,
-        lora_targets: LoraTargets = None,
-        dora: Dora = False,
-        modules_to_save: ModulesToSave = None,
-        trainable: Trainable = None,
-        quant_bits: QuantBits = None,
-        double_quant: DoubleQuant = True,
-        quant_storage: QuantStorage = None,
-        accelerate_config: AccelerateConfig = None,
-        hf_args: HfArgs = None,
-        axolotl: Axolotl = None,
-        llama_factory: LlamaFactory = None,
-        json_out: Json = False,
-    ) -> None:
-        """Charts: per-GPU memory by category vs GPU memory, compute vs communication, and sweeps over
-        the number of GPUs and nodes — in the terminal, or as one self-contained HTML file.
-
-        Example: zeroplan report --model llama-2-70b --hardware dgx-h100 --nodes 4 --precision bf16 --html r.html
-        """
-        from zeroplan._util import validate_output_path
-        from zeroplan.api import build_report
-
-        ins = {"--model": model, "--hardware": hardware, "--ds-config": ds_config}
-        validate_output_path(html, option="--html", inputs=ins)
-        validate_output_path(svg, option="--svg", inputs={**ins, "--html": html})
-        options = options_from(ReportOptions, locals())
-        con = console()
-        show_progress = not json_out and sys.stdout.isatty() and con.is_terminal
-        if show_progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            with Progress(TextColumn("evaluating plans"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=con, transient=True) as progress:
-                task = progress.add_task("sweep", total=None)
-                data = build_report(options, progress=lambda done, total: progress.update(
-                    task, completed=done, total=total))
-        else:
-            data = build_report(options)
-
-        from zeroplan._util import atomic_write_text
-
-        written = []
-        if html is not None:
-            from zeroplan.report.html import render_report_html
-
-            atomic_write_text(html, render_report_html(data.model_dump(mode="json")))
-            written.append(html)
-        if svg is not None:
-            from zeroplan.report.html import memory_chart_svg
-
-            atomic_write_text(svg, memory_chart_svg(data.model_dump(mode="json"), standalone=True))
-            written.append(svg)
-        if json_out:
-            print_json(data)
-            return
-        if written:
-            for path in written:
-                con.print(f"wrote {path} ({Path(path).stat().st_size:,} bytes)", markup=False, highlight=False)
-            return
-        from zeroplan.report.charts import render_memory_bars, render_time_bars
-
-        render_memory_bars(con, data.estimate)
-        con.print()
-        render_time_bars(con, data.estimate)
-        con.print()
-        _print_sweep_table(con, data.model_dump(mode="json"))
+    app.command("report")(handle_errors(report))

@@ -267,6 +267,15 @@ def _stages(stage_list: list[int] | None, ds: DSConfig | None) -> list[int]:
     return stages
 
 
+def _load_hardware(hardware: str | None) -> HardwareProfile | None:
+    """The hardware profile by name or path; None when none was given."""
+    if hardware is None:
+        return None
+    from zeroplan.specs.hardware_load import load_profile  # the TOML reader and checks, only with --hardware
+
+    return load_profile(hardware)
+
+
 def build_plan_inputs(
     *,
     model: str | None = None,
@@ -332,11 +341,7 @@ def build_plan_inputs(
                                   offload_param=offload_param)
 
     spec = load_model(model)
-    hw = None
-    if hardware is not None:
-        from zeroplan.specs.hardware_load import load_profile  # the TOML reader and checks, only with --hardware
-
-        hw = load_profile(hardware)
+    hw = _load_hardware(hardware)
     assumptions: list[str] = []
 
     n_gpus, gpn, n_nodes = _cluster_shape(gpus, nodes, gpus_per_node, hw, assumptions)

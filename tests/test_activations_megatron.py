@@ -123,3 +123,22 @@ def test_megatron_refuses_a_model_its_code_cannot_express():
     from zeroplan._util import InputError
     with pytest.raises(InputError, match="not that model"):
         activation_memory(load_model("llama-2-7b"), _setup())  # gated MLP: not Megatron-LM's GPT-2
+
+
+def test_emitted_config_keeps_a_megatron_plan(tmp_path):
+    # recommend --emit-config writes what it planned: a Megatron-LM plan must read back as Megatron-LM
+    # (core/inputs.py _activation_code reads zeroplan.activations), a transformers plan writes no key
+    import json
+
+    from zeroplan.core.inputs import build_plan_inputs
+
+    model = str(MODELS / "megatron-gpt2-1.5b.json")
+    out = annotate_ds_config({"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True}},
+                             seq_len=1024, checkpointing="full", flash_attention=False, model=model,
+                             hardware=None, n_gpus=1, activations="megatron")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(out))
+    assert build_plan_inputs(model=model, ds_config=str(path)).training.activation_impl == "megatron"
+    plain = annotate_ds_config({}, seq_len=1024, checkpointing="none", flash_attention=True, model="m",
+                               hardware=None, n_gpus=1, activations="transformers")
+    assert "activations" not in plain["zeroplan"]

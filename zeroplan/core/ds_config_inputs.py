@@ -14,7 +14,7 @@ from zeroplan._util import InputError, read_text_file
 from zeroplan.specs.config_lines import find_key_line, key_lines
 from zeroplan.specs.ds_keys import ZEROPLAN_KEY
 from zeroplan.specs.ds_schema import DEEPSPEED_VERSION, ActivationCheckpointingConfig, DSConfig
-from zeroplan.specs.training import ACTIVATION_IMPLS
+from zeroplan.specs.training import ACTIVATION_IMPLS, TrainingSetup
 
 __all__ = ["CHECKPOINTING", "optimizer_impl_from_config", "grad_accum_dtype_from_config", "planning_metadata",
            "annotate_ds_config", "refuse_ds_errors"]
@@ -109,11 +109,13 @@ def planning_metadata(ds: DSConfig) -> dict[str, Any]:
 
 def annotate_ds_config(config: dict[str, Any], *, seq_len: int, checkpointing: str, flash_attention: bool,
                        model: str, hardware: str | None, n_gpus: int,
-                       finetune: dict[str, Any] | None = None) -> dict[str, Any]:
+                       finetune: dict[str, Any] | None = None, activations: str | None = None) -> dict[str, Any]:
     """``config`` plus what the plan assumed: a ``zeroplan`` block (read back by ``check`` and
     ``estimate``) and, for full checkpointing, DeepSpeed's ``activation_checkpointing`` block with
     DeepSpeed's defaults (what ``deepspeed.checkpointing.checkpoint`` uses when the script calls it;
-    the block configures checkpointing but does not switch it on, and cannot say "selective")."""
+    the block configures checkpointing but does not switch it on, and cannot say "selective").
+    ``activations``: the code that computes activations; written only when it is not the default
+    (transformers), so a Megatron-LM plan reads back as one."""
     out = dict(config)
     if checkpointing == "full" and "activation_checkpointing" not in out:
         defaults = ActivationCheckpointingConfig()  # DeepSpeed's defaults, written once (specs/ds_schema.py)
@@ -127,6 +129,8 @@ def annotate_ds_config(config: dict[str, Any], *, seq_len: int, checkpointing: s
     }
     if finetune is not None:  # core/finetune_inputs.py finetune_record: read back by fill_from_record
         out[ZEROPLAN_KEY]["finetune"] = finetune
+    if activations is not None and activations != TrainingSetup.model_fields["activation_impl"].default:
+        out[ZEROPLAN_KEY]["activations"] = activations  # read back by core/inputs.py _activation_code
     return out
 
 

@@ -142,3 +142,31 @@ def test_emitted_config_keeps_a_megatron_plan(tmp_path):
     plain = annotate_ds_config({}, seq_len=1024, checkpointing="none", flash_attention=True, model="m",
                                hardware=None, n_gpus=1, activations="transformers")
     assert "activations" not in plain["zeroplan"]
+
+
+def test_activations_option_on_the_cli():
+    # --activations megatron plans Megatron-LM's activations (smaller than transformers' eager GPT-2
+    # with its fp32 loss, for the same shape); an unknown value and a model Megatron-LM's GPT-2 code
+    # cannot express are one-line errors with exit 2
+    import json
+
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    runner = CliRunner()
+    model = str(MODELS / "megatron-gpt2-1.5b.json")
+    base = ["estimate", "--model", model, "--gpus", "1", "--stage", "0", "--precision", "fp16", "--json",
+            "--no-flash-attention", "--seq-len", "1024"]
+    out = {}
+    for impl in ("transformers", "megatron"):
+        r = runner.invoke(app, base + ["--activations", impl])
+        assert r.exit_code == 0, r.output
+        d = json.loads(r.stdout)
+        assert d["training"]["activations"] == impl
+        out[impl] = d["stages"][0]["memory"]["activations_detail"]["total"]
+    want = activation_memory(GPT2_1_5B, _setup(micro_batch=1)).total
+    assert out["megatron"] == want and out["megatron"] != out["transformers"]
+    for args in (["--activations", "foo"], ["--model", "llama-2-7b", "--activations", "megatron"]):
+        r = runner.invoke(app, ["estimate", "--model", model, "--gpus", "1"] + args)
+        assert r.exit_code == 2 and len([ln for ln in r.stderr.splitlines() if ln.strip()]) == 1, r.output

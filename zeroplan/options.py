@@ -120,12 +120,16 @@ class PlanOptions(CommonOptions, _ConfigOptions):
     """Everything ``estimate`` plans with. ``offload_optimizer`` / ``offload_param``: none, cpu or
     nvme (``None``: the config's, else none). ``optimizer_impl``: how the Adam step runs on the GPU
     (fused-adam, torch-foreach, torch-fused, torch-single, cpu-adam; ``None``: from the config).
-    ``expandable_segments``: plan for PyTorch's ``expandable_segments:True`` allocator (API only)."""
+    ``expandable_segments``: plan for PyTorch's ``expandable_segments:True`` allocator (API only).
+    ``activations``: the code that computes activations, transformers or megatron (DeepSpeedExamples'
+    Megatron-LM GPT-2, with DeepSpeed's ``activation_checkpointing`` block); ``None``: the config's
+    ``zeroplan.activations``, else transformers."""
 
     offload_optimizer: Optional[str] = None
     offload_param: Optional[str] = None
     optimizer_impl: Optional[str] = None
     expandable_segments: bool = False
+    activations: Optional[str] = None
 
 
 class RecommendOptions(CommonOptions, _ConfigOptions):

@@ -26,7 +26,7 @@ __all__ = [
     "Model", "OptionalModel", "Hardware", "Gpus", "Nodes", "GpusPerNode", "DsConfig", "Precision", "Optimizer",
     "MicroBatch",
     "SeqLen", "GradAccum", "Checkpointing", "FlashAttention", "OffloadOptimizer", "OffloadParam", "Stage",
-    "Headroom", "CommModel", "OptimizerImpl", "Mfu", "Strict", "Lenient", "Json",
+    "Headroom", "CommModel", "OptimizerImpl", "Activations", "Mfu", "Strict", "Lenient", "Json",
     "Method", "LoraR", "LoraAlpha", "LoraTargets", "Dora", "ModulesToSave", "Trainable", "QuantBits", "DoubleQuant",
     "QuantStorage", "AccelerateConfig", "HfArgs", "Axolotl", "LlamaFactory", "LoraRanks", "GlobalBatchTarget",
     "parse_ranks",
@@ -112,6 +112,12 @@ OptimizerImpl = Annotated[Optional[str], typer.Option(
     show_default="from --ds-config (an optimizer block: fused-adam; none: torch-foreach), else fused-adam",
     help="How the Adam step runs on the GPU: DeepSpeed FusedAdam (no temporaries), torch AdamW foreach "
          "(4 B/element), fused, single-tensor (8 B/element of the largest tensor) or DeepSpeedCPUAdam (host).")]
+Activations = Annotated[Optional[str], typer.Option(
+    "--activations", metavar="transformers|megatron",
+    show_default="from --ds-config's zeroplan.activations, else transformers",
+    help="The code that computes activations: Hugging Face transformers (traced per family) or Megatron-LM's "
+         "GPT-2 (Korthikanti's terms as DeepSpeedExamples computes them; reads DeepSpeed's "
+         "activation_checkpointing block, cpu_checkpointing puts layer checkpoints in host RAM).")]
 Mfu = Annotated[Optional[float], typer.Option(
     "--mfu", metavar="FRACTION", show_default="the compute model (FLOPs from the architecture at a rate by GPU "
     "generation and shape)", help="Override the compute model with a fixed model FLOPs utilisation (0–1].")]

@@ -8,7 +8,7 @@ from zeroplan.commands._common import (
     Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
     Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer, OffloadParam, Optimizer,
-    OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
+    Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
 )
 from zeroplan.options import PlanOptions
 
@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
         stage: Stage = None,
         comm_model: CommModel = DEFAULT_COMM_MODEL,
         optimizer_impl: OptimizerImpl = None,
+        activations: Activations = None,
         mfu: Mfu = DEFAULT_MFU,
         strict: Strict = False,
         lenient: Lenient = False,

@@ -21,7 +21,7 @@ from zeroplan.commands._common import (
     Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, 
     DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
     Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer, OffloadParam, OptionalModel, Optimizer,
-    OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
+    Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
 )
 from zeroplan.options import PlanOptions
 
@@ -138,6 +138,7 @@ def register(app: typer.Typer) -> None:
         offload_optimizer: OffloadOptimizer = None,
         offload_param: OffloadParam = None,
         optimizer_impl: OptimizerImpl = None,
+        activations: Activations = None,
         stage: Stage = None,
         comm_model: CommModel = DEFAULT_COMM_MODEL,
         mfu: Mfu = DEFAULT_MFU,

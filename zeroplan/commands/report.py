@@ -17,7 +17,7 @@ from zeroplan.commands._common import (
     Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_MAX_NODES, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention,
     GpusPerNode, GradAccum, Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer,
-    OffloadParam, Optimizer, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from,
+    OffloadParam, Optimizer, Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from,
     print_json,
 )
 from zeroplan.options import ReportOptions
@@ -66,6 +66,7 @@ def report(
     offload_optimizer: OffloadOptimizer = None,
     offload_param: OffloadParam = None,
     optimizer_impl: OptimizerImpl = None,
+    activations: Activations = None,
     stage: Stage = None,
     comm_model: CommModel = DEFAULT_COMM_MODEL,
     mfu: Mfu = DEFAULT_MFU,

@@ -35,7 +35,9 @@ from zeroplan.specs.ds_keys import ZEROPLAN_KEY
 from zeroplan.specs.ds_schema import DSConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from zeroplan.specs.hardware_schema import HardwareProfile
 from zeroplan.specs.model import ModelSpec, load_model
-from zeroplan.specs.training import GRAD_ACCUM_DTYPES, OPTIMIZER_IMPLS, TrainingSetup, get_optimizer, get_precision
+from zeroplan.specs.training import (
+    ACTIVATION_IMPLS, GRAD_ACCUM_DTYPES, OPTIMIZER_IMPLS, TrainingSetup, get_optimizer, get_precision,
+)
 
 __all__ = [
     "PlanInputs", "build_plan_inputs", "zero_for_stage", "OFFLOAD_DEVICES", "CHECKPOINTING", "DEFAULT_SEQ_LEN",
@@ -224,16 +226,19 @@ def _training_setup(*, precision: str | None, optimizer: str | None, micro_batch
     return training
 
 
-def _activation_code(training: TrainingSetup, meta: dict[str, Any], ds: DSConfig | None, ds_config: str | None,
-                     assumptions: list[str]) -> TrainingSetup:
-    """Which code computes the activations (the config's ``zeroplan.activations``, else transformers) and,
-    for Megatron-LM, DeepSpeed's ``activation_checkpointing`` block, which it calls through
-    ``deepspeed.checkpointing`` (transformers' checkpointing does not read the block)."""
-    impl = meta.get("activations", training.activation_impl)
+def _activation_code(training: TrainingSetup, option: str | None, meta: dict[str, Any], ds: DSConfig | None,
+                     ds_config: str | None, assumptions: list[str]) -> TrainingSetup:
+    """Which code computes the activations (``--activations``, else the config's ``zeroplan.activations``,
+    else transformers) and, for Megatron-LM, DeepSpeed's ``activation_checkpointing`` block, which it
+    calls through ``deepspeed.checkpointing`` (transformers' checkpointing does not read the block)."""
+    if option is not None and option not in ACTIVATION_IMPLS:
+        raise InputError(f"--activations {option!r} is unknown; expected one of {', '.join(ACTIVATION_IMPLS)}")
+    impl = option if option is not None else meta.get("activations", training.activation_impl)
     if impl == training.activation_impl:
         return training
     ac = ds.activation_checkpointing if ds is not None else None
-    assumptions.append(f"activations of {impl} (from {ds_config}: {ZEROPLAN_KEY}.activations)"
+    source = "--activations" if option is not None else f"{ds_config}: {ZEROPLAN_KEY}.activations"
+    assumptions.append(f"activations of {impl} (from {source})"
                        + (f"; DeepSpeed activation checkpointing: partition_activations {ac.partition_activations}, "
                           f"cpu_checkpointing {ac.cpu_checkpointing}" if ac is not None else ""))
     return training.model_copy(update={
@@ -297,6 +302,7 @@ def build_plan_inputs(
     stage: int | list[int] | None = None,
     optimizer_impl: str | None = None,
     expandable_segments: bool = False,
+    activations: str | None = None,
     method: str | None = None,
     lora_r: int | None = None,
     lora_alpha: float | None = None,
@@ -357,7 +363,7 @@ def build_plan_inputs(
                                flash_attention=flash_attention, optimizer_impl=optimizer_impl,
                                expandable_segments=expandable_segments, ds=ds, ds_config=ds_config,
                                assumptions=assumptions)
-    training = _activation_code(training, meta, ds, ds_config, assumptions)
+    training = _activation_code(training, activations, meta, ds, ds_config, assumptions)
 
     stages = _stages(stage_list, ds)
     if spec.approximate:

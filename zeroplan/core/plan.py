@@ -193,6 +193,7 @@ def training_summary(training: TrainingSetup) -> dict[str, Any]:
         "grad_accum": training.grad_accum,
         "checkpointing": training.checkpointing,
         "flash_attention": training.flash_attention,
+        "activations": training.activation_impl,
     }
 
 

@@ -261,6 +261,11 @@ def test_reserved_to_allocated_pairs(capsys):
     assert f_profile == round(s["f"], SLACK_CALIBRATION_DIGITS), (f_profile, s["f"])
     assert s["after"] <= s["before"], s
     assert slack_sentence(rows) in " ".join(README.read_text().split())
+    for r in rows:  # README's table of the pairs shows this code's ratios
+        cells = f"| {r['want']:.3f} | {r['before']:.3f} ({r['before'] / r['want'] - 1:+.1%}) | " \
+                f"{r['after']:.3f} ({r['after'] / r['want'] - 1:+.1%}) |"
+        assert re.search(rf"`{re.escape(r['id'])}`[^\n]*{re.escape(cells.replace('-', '−'))}", README.read_text()), (
+            r["id"], cells)
 
 
 if __name__ == "__main__":  # regenerate the README figures: python tests/test_published_memory.py

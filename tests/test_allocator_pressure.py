@@ -37,6 +37,22 @@ def test_gradients_autograd_left_in_activation_segments_keep_the_step_stacked():
     assert required_bytes(LIVE, SIDE, fragmentation_fraction=0.5, step_transient=13 * GIB) == 36 * GIB
 
 
+def test_slack_only_on_churned_bytes():
+    # CUDACachingAllocator.cpp get_free_block (best fit) / should_split / free_block (merges only within a
+    # segment): bytes held from init (or re-requested at their own size) sit in exact segments; the
+    # churned rest (live - held) takes the slack. Backward: 24 GiB live, 20 GiB held -> 4 GiB churned.
+    held = {"forward": 20 * GIB, "backward": 20 * GIB, "step": 22 * GIB}
+    assert required_bytes(LIVE, {}, fragmentation_fraction=0.5, held_by_phase=held) == 24 * GIB + 2 * GIB
+    # reserved: the default pool excludes the side stream's 2 GiB before the slack: (22 - 20) * 0.5 = 1 GiB
+    _, reserved, _ = reserved_bytes(LIVE, SIDE, fragmentation_fraction=0.5, held_by_phase=held)
+    assert reserved == 22 * GIB + 1 * GIB + 2 * GIB
+    # everything held: no slack at all, the pools as they are
+    all_held = dict(LIVE)
+    assert required_bytes(LIVE, {}, fragmentation_fraction=0.5, held_by_phase=all_held) == 24 * GIB
+    # expandable segments: no slack whatever is churned
+    assert required_bytes(LIVE, {}, fragmentation_fraction=0.5, held_by_phase=held, expandable_segments=True) == 24 * GIB
+
+
 def test_required_comes_in_whole_segments():
     assert required_bytes({"step": 3 * MIB + 1}, {}, fragmentation_fraction=0.0) == 4 * MIB  # kRoundLarge 2 MiB
 
@@ -50,12 +66,13 @@ def test_cache_gives_way_only_when_the_card_is_full():
 
 
 def test_a_plan_whose_cache_outgrows_the_card_fits_and_fills_it():
-    # 10B GPT-2 shapes, ZeRO-2 on 32 GPUs, a 32 GiB card: cached pools would overflow, the live bytes fit
+    # 10B GPT-2 shapes, ZeRO-2 on 32 GPUs, a 30 GiB card: cached pools (28.9 GiB + 1.25 GiB context and
+    # NCCL) would overflow, the live bytes with their slack (27.4 GiB) fit
     spec = load_model("tests/data/published/models/megatron-gpt2-10b.json")
     ds = load_ds_config({"fp16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {}},
                          "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 500000000}})
     base = load_profile("hardware_profiles/dgx-a100-80gb.toml")
-    card = 32 * GIB
+    card = 30 * GIB
     hw = base.model_copy(update={"gpu": base.gpu.model_copy(update={"memory_bytes": card})})
     tr = TrainingSetup(precision=get_precision("fp16"), micro_batch=1, seq_len=1024, checkpointing="full",
                        flash_attention=False)
@@ -69,3 +86,25 @@ def test_a_plan_whose_cache_outgrows_the_card_fits_and_fills_it():
     assert cached.allocated == m.allocated and cached.required == m.required
     assert plan.fits and m.peak == card and m.reserved == card - outside
     assert any("frees cached segments" in n for n in m.notes)
+
+
+def test_plans_tag_what_is_held_and_what_churns():
+    # core/memory.held_bytes: parameters, optimizer states and DeepSpeed's own gradient buffers are held;
+    # the step's transients are re-requested at their own size; autograd's p.grad (FP16_Optimizer,
+    # stage 0) churns with the activations. Expected values are sums of the plan's own categories.
+    spec = load_model("llama-2-7b")
+    hw = load_profile("hardware_profiles/dgx-a100-80gb.toml")
+    tr = TrainingSetup(precision=get_precision("bf16"), micro_batch=1, seq_len=1024, checkpointing="full")
+    z2 = load_ds_config({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "overlap_comm": False}}).zero
+    m = evaluate(model=spec, training=tr, zero=z2, n_gpus=8, gpus_per_node=8, hardware=hw).memory
+    st = m.phases["step"].by_category
+    assert not m.gradients_churned
+    assert m.held_bytes["step"] == st["params"] + st["optimizer_states"] + st["gradients"] + m.step_transient_bytes
+    b = m.phases["backward"].by_category
+    assert m.held_bytes["backward"] == b["params"] + b["optimizer_states"] + b["gradients"] + m.buffers_detail["ipg_bucket"]
+    fp16 = TrainingSetup(precision=get_precision("fp16"), micro_batch=1, seq_len=1024, checkpointing="full")
+    z0 = load_ds_config({"fp16": {"enabled": True}, "zero_optimization": {"stage": 0}}).zero
+    m0 = evaluate(model=load_model("1B"), training=fp16, zero=z0, n_gpus=8, gpus_per_node=8, hardware=hw).memory
+    s0 = m0.phases["step"].by_category
+    assert m0.gradients_churned and s0["gradients"] > 0
+    assert m0.held_bytes["step"] == s0["params"] + s0["optimizer_states"] + m0.step_transient_bytes

@@ -36,7 +36,7 @@ def test_the_walkthrough_has_its_five_commands():
 def test_full_fine_tuning_fits_nowhere(monkeypatch):
     d = _json(COMMANDS[0], monkeypatch)
     assert _fits(d) == {0: False, 1: False, 2: False, 3: False}
-    assert 170e9 < d["stages"][3]["memory"]["peak"] < 195e9
+    assert 155e9 < d["stages"][3]["memory"]["peak"] < 175e9
 
 
 def test_lora_fits_with_zero3_only(monkeypatch):

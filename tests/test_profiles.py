@@ -172,7 +172,8 @@ def test_unit_sanity_against_published_figures(name):
     # GiB-nominal HBM minus driver reservations: between 0.93 x nominal GiB and nominal GiB.
     assert 0.93 * nominal * GiB <= p.gpu.memory_bytes <= nominal * GiB * 1.0001
     assert 0 < p.intra_node.efficiency <= 1 and 0 < p.inter_node.efficiency <= 1
-    assert 0.05 <= p.overhead.fragmentation_fraction <= 0.1
+    # of the churned bytes: between what the two calibrating sources pin (tests/test_published_memory.py)
+    assert 0.14 <= p.overhead.fragmentation_fraction <= 0.58
     assert 0.5 * GiB <= p.overhead.cuda_context_bytes + p.overhead.nccl_bytes <= 2 * GiB
 
 

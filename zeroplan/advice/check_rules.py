@@ -67,8 +67,10 @@ def capacity_rules(ctx: AdviceContext, plan: Plan, add: Add, gpu: str) -> None:
             if not g:
                 continue
             rest = mem.phases[phase].peak - g
-            need = int((rest + g) * (1 + frac)) + fixed
-            without = int(rest * (1 + frac)) + fixed
+            # split-segment slack on the churned bytes only (core/allocator.py); the gather churns
+            churned = max(0, mem.phases[phase].peak - mem.held_bytes.get(phase, 0))
+            need = rest + g + int(churned * frac) + fixed
+            without = rest + int(max(0, churned - g) * frac) + fixed
             if need > gpu_mem and without <= gpu_mem:
                 module = mem.gather.module if mem.gather is not None else "the largest module"
                 r = reason("OOM during the {phase} gather phase: states, buffers and activations take {without} "

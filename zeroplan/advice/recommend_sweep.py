@@ -45,8 +45,21 @@ class _State:
     nvme_per_node: int
     deviation: int  # how many searched keys differ from the base config
     key: tuple = ()
-    side: tuple[int, ...] = (0, 0, 0, 0, 0)  # side-stream pools (all-gather fwd/bwd, reduce-scatter, reduction), step blocks
+    # side-stream pools (all-gather fwd/bwd, reduce-scatter, reduction), step blocks, then the held bytes
+    # (no split slack) of the forward, backward start/end and step (_held)
+    side: tuple[int, ...] = (0, 0, 0, 0, 0, 0, 0, 0, 0)
     communicators: int = 2
+
+
+def _held(m: Any) -> tuple[int, int, int, int]:
+    """core/memory.py's held bytes (no split slack) for the forward, backward start, backward end and
+    step, from one evaluation: the backward's held buffers and states do not depend on the batch, its
+    gradients are those of the variant (the forward's at its start, the step's at its end)."""
+    b = m.phases["backward"].by_category
+    grads = 0 if m.gradients_churned else b["gradients"]
+    base_b = m.held_bytes["backward"] - grads
+    held_grads = {k: 0 if m.gradients_churned else m.phases[k].by_category["gradients"] for k in ("forward", "step")}
+    return (m.held_bytes["forward"], base_b + held_grads["forward"], base_b + held_grads["step"], m.held_bytes["step"])
 
 
 def _entry_key(e: Any) -> tuple:
@@ -105,7 +118,7 @@ class _Family:
                                 m.buffers_detail.get("reduce_scatter_temp", 0) if self.stage == 3 else 0,
                                 m.buffers_detail.get("allreduce_flatten", 0)
                                 if self.stage in (1, 2) and zero.overlap_comm else 0,
-                                m.step_transient_bytes)
+                                m.step_transient_bytes, *_held(m))
         return self._mem[point]
 
     def _mem_composed(self, point: tuple) -> tuple:
@@ -257,15 +270,17 @@ class _Sweep:
         """Exactly core.memory's peak: the caching allocator's pools over the phases' live bytes
         (core/allocator.py), plus the CUDA context and NCCL per communicator."""
         fwd, bs, be, stp = s.na
-        ag_f, ag_b, rs, red, step_transient = s.side
-        live = {"forward": fwd + mb * self.act_fwd[ckpt], "backward": max(bs + mb * self.act_bwd[ckpt], be),
-                "step": stp}
+        ag_f, ag_b, rs, red, step_transient, held_f, held_bs, held_be, held_s = s.side
+        b_start = bs + mb * self.act_bwd[ckpt]
+        live = {"forward": fwd + mb * self.act_fwd[ckpt], "backward": max(b_start, be), "step": stp}
+        # core/memory.py _phases: the backward start wins ties; held_bytes of the winning variant
+        held = {"forward": held_f, "backward": held_bs if b_start >= be else held_be, "step": held_s}
         pools = {"allgather": {"forward": ag_f, "backward": ag_b}, "reduce_scatter": {"backward": rs},
                  "reduction": {"backward": red}}
         o = self.overhead
         _, reserved, _ = reserved_bytes(live, pools, fragmentation_fraction=float(o["fragmentation_fraction"]),
                                         expandable_segments=self.inp.training.expandable_segments,
-                                        step_transient=step_transient)
+                                        step_transient=step_transient, held_by_phase=held)
         return reserved + int(o["cuda_context_bytes"]) + int(o["nccl_bytes"]) * s.communicators
 
     def ledger(self, s: _State) -> Any:

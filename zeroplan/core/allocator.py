@@ -12,10 +12,21 @@ Two figures per GPU:
   ``overlap_comm`` (stage_1_and_2.py ``reduce_ipg_grads``/``average_tensor``; stage3.py
   ``__reduce_and_partition_ipg_grads``) — so each pool reaches its own maximum and the sum of
   the pools' maxima, not the maximum of the sum, is cached. Large blocks (> 1 MiB) come from
-  segments rounded up to 2 MiB (kRoundLarge; ``get_allocation_size``), and splitting cached
-  segments between differently sized requests leaves slack the profile's
-  ``fragmentation_fraction`` stands for (``expandable_segments:True`` maps pages into one
-  growing segment per stream and removes most of it: modelled as no slack).
+  segments rounded up to 2 MiB (kRoundLarge; ``get_allocation_size``).
+- **Split-segment slack** comes only from churn. ``get_free_block`` hands a request the smallest
+  cached free block of its pool that is large enough (best fit), and ``should_split`` cuts the
+  remainder off when it is above kSmallSize (1 MiB) for large blocks; a freed block merges
+  (``free_block``/``try_merge_blocks``) only with free neighbours of its own segment, and a segment
+  is returned to CUDA only when none of its blocks is live. So a buffer allocated once and held
+  (DeepSpeed's flat fp16/fp32 partitions, the optimizer states, the contiguous gradient buffer,
+  the ipg bucket) sits in a segment of its own size, and a block freed and re-requested at the
+  same size every step (the step's transients) gets its own block back: neither leaves slack.
+  Slack arises where blocks are freed and re-requested at other sizes — activations, their
+  gradients, stage 3's gathered parameters, per-layer temporaries, autograd's ``p.grad`` — whose
+  remainders are stranded in partly used segments. It is modelled as the profile's
+  ``fragmentation_fraction`` of those **churned** bytes (the phase's default-stream live bytes less
+  the ``held`` ones), not of the whole pool; ``expandable_segments:True`` maps pages into one
+  growing segment per stream and removes it (modelled as no slack).
 - The device total adds the CUDA context and NCCL's buffers, one set per communicator
   (``nvidia-smi`` shows that sum).
 - Under pressure the cache gives way: when ``cudaMalloc`` fails, ``DeviceCachingAllocator::malloc``
@@ -68,22 +79,38 @@ def communicators(zero: ZeroConfig, stage: int, n_gpus: int = 2) -> int:
     return n
 
 
+def _slack_bytes(live_by_phase: dict[str, int], side_pools: dict[str, dict[str, int]],
+                 held_by_phase: dict[str, int] | None, slack: float) -> dict[str, int]:
+    """Per phase, the split-segment slack: ``slack`` of the default stream's churned bytes (its live
+    bytes less the side pools' and the ``held`` ones; every byte is churned where ``held_by_phase``
+    is None)."""
+    held = held_by_phase or {}
+    out = {}
+    for p, live in live_by_phase.items():
+        default = live - sum(pool.get(p, 0) for pool in side_pools.values())
+        out[p] = int(max(0, default - held.get(p, 0)) * slack)
+    return out
+
+
 def _default_pool(live_by_phase: dict[str, int], side_pools: dict[str, dict[str, int]], slack: float,
-                  step_transient: int) -> int:
+                  step_transient: int, held_by_phase: dict[str, int] | None = None) -> int:
     """The default stream's pool: its forward/backward maximum with the split-segment slack, and the
     step's large new blocks (``step_transient``: the flat fp32 gradient, its casts, the optimizer's
     temporaries, each one block of up to GBs) mapped in new segments on top: they are bigger than any
     freed activation block, so the best-fit lookup (``get_free_block``) finds none (``alloc_block``)."""
-    default = {p: live_by_phase[p] - sum(pool.get(p, 0) for pool in side_pools.values()) for p in live_by_phase}
-    before_step = max((v for p, v in default.items() if p != "step"), default=0)
-    return max(int(before_step * (1 + slack)) + step_transient, int(default.get("step", 0) * (1 + slack)))
+    extra = _slack_bytes(live_by_phase, side_pools, held_by_phase, slack)
+    pool = {p: live - sum(s.get(p, 0) for s in side_pools.values()) + extra[p] for p, live in live_by_phase.items()}
+    before_step = max((v for p, v in pool.items() if p != "step"), default=0)
+    return max(before_step + step_transient, pool.get("step", 0))
 
 
 def reserved_bytes(live_by_phase: dict[str, int], side_pools: dict[str, dict[str, int]], *,
                    fragmentation_fraction: float, expandable_segments: bool = False,
-                   step_transient: int = 0) -> tuple[int, int, dict[str, int]]:
+                   step_transient: int = 0,
+                   held_by_phase: dict[str, int] | None = None) -> tuple[int, int, dict[str, int]]:
     """(allocated, reserved, {side pool: its maximum}) from the live bytes per phase and, per side
-    stream, the part of them allocated on it.
+    stream, the part of them allocated on it; ``held_by_phase``: the default-stream bytes per phase
+    in segments that fit them exactly (no slack; None: every byte is churned).
 
     reserved = the default-stream pool (``_default_pool``) + each side pool at its own maximum, in
     2 MiB units, while nothing forces the allocator to release cached segments.
@@ -91,17 +118,19 @@ def reserved_bytes(live_by_phase: dict[str, int], side_pools: dict[str, dict[str
     allocated = max(live_by_phase.values())
     side = {name: max(pool.values(), default=0) for name, pool in side_pools.items()}
     slack = 0.0 if expandable_segments else fragmentation_fraction
-    default_pool = _default_pool(live_by_phase, side_pools, slack, 0 if expandable_segments else step_transient)
+    default_pool = _default_pool(live_by_phase, side_pools, slack, 0 if expandable_segments else step_transient,
+                                 held_by_phase)
     reserved = round_segment(default_pool) + sum(round_segment(v) for v in side.values())
     return allocated, max(reserved, round_segment(allocated)), side
 
 
 def required_bytes(live_by_phase: dict[str, int], side_pools: dict[str, dict[str, int]], *,
                    fragmentation_fraction: float, expandable_segments: bool = False, step_transient: int = 0,
-                   step_pinned: bool = False) -> int:
+                   step_pinned: bool = False, held_by_phase: dict[str, int] | None = None) -> int:
     """What the allocator holds at the worst moment once every free cached segment is released: the
-    largest phase's live bytes plus the split-segment slack, in 2 MiB units — no per-stream pool
-    maxima and, where the activation segments are free by the step, no step segments stacked on them.
+    largest phase's live bytes plus the split-segment slack on its churned bytes, in 2 MiB units —
+    no per-stream pool maxima and, where the activation segments are free by the step, no step
+    segments stacked on them.
 
     ``step_pinned``: the gradients the step reads were allocated by autograd during backward
     (``AccumulateGrad``: ``p.grad`` kept to the step, as FP16_Optimizer and ZeRO stage 1 do), so
@@ -111,9 +140,11 @@ def required_bytes(live_by_phase: dict[str, int], side_pools: dict[str, dict[str
     partition's whole-size buffer) and free ``p.grad``, so the activation segments empty.
     """
     slack = 0.0 if expandable_segments else fragmentation_fraction
-    need = int(max(live_by_phase.values()) * (1 + slack))
+    # every stream's churned bytes are split alike once no pool's maximum is kept
+    extra = _slack_bytes(live_by_phase, {}, held_by_phase, slack)
+    need = max(live + extra[p] for p, live in live_by_phase.items())
     if step_pinned and not expandable_segments:
-        need = max(need, _default_pool(live_by_phase, side_pools, slack, step_transient))
+        need = max(need, _default_pool(live_by_phase, side_pools, slack, step_transient, held_by_phase))
     return round_segment(need)
 
 

@@ -47,6 +47,8 @@ __all__ = [
     "HostMemory",
     "MemoryBreakdown",
     "PhaseMemory",
+    "grads_from_autograd",
+    "held_bytes",
     "memory_for_stage",
     "model_state_bytes",
     "paper_model_states",
@@ -102,6 +104,8 @@ class MemoryBreakdown(BaseModel):
     optimizer_impl: str = "fused-adam"
     optimizer_wrapper: str = "zero"  # what DeepSpeed wraps the optimizer in (core/memory_states.py)
     step_transient_bytes: int = 0  # the step's large new blocks (core/allocator.py)
+    held_bytes: dict[str, int] = Field(default_factory=dict)  # per phase, live bytes with no split slack (held_bytes)
+    gradients_churned: bool = False  # the step's gradients are autograd's p.grad (grads_from_autograd)
     notes: list[str] = Field(default_factory=list)
 
 
@@ -143,6 +147,26 @@ def _reason(phases: dict[str, PhaseMemory], peak_phase: str, live_peak: int, sta
     return reason
 
 
+def grads_from_autograd(wrapper: str, stage: int) -> bool:
+    """Whether the step reads autograd's ``p.grad`` kept from backward (FP16_Optimizer / no wrapper,
+    ZeRO stage 1) rather than a buffer DeepSpeed allocates once: core/allocator.py ``step_pinned``."""
+    return wrapper in ("fp16_optimizer", "basic", "unsupported") or (wrapper == "zero" and stage == 1)
+
+
+def held_bytes(phases: dict[str, PhaseMemory], held_buffers: dict[str, int], step_pinned: bool) -> dict[str, int]:
+    """Per phase, the live bytes whose allocator segments fit them exactly (core/allocator.py: no
+    split-segment slack): the parameters, the optimizer states and the gradient buffers DeepSpeed
+    allocates once (stages 2–3's contiguous partition, BF16_Optimizer's fp32 gradients), and the
+    buffers ``phase_buffers`` tags as held (ipg buckets, the step's same-size transients). Where the
+    step's gradients are autograd's ``p.grad`` (``step_pinned``: FP16_Optimizer, ZeRO stage 1) they
+    are re-allocated every step in freed activation blocks, so they churn with the activations."""
+    out = {}
+    for p in PHASES:
+        c = phases[p].by_category
+        out[p] = c["params"] + c["optimizer_states"] + (0 if step_pinned else c["gradients"]) + held_buffers.get(p, 0)
+    return out
+
+
 def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingSetup,
                     overhead: dict[str, Any] | None, n_comm: int, gpu_memory_bytes: int | None,
                     step_pinned: bool, notes: list[str]) -> tuple[int, int, int, dict[str, int], dict[str, int]]:
@@ -151,12 +175,13 @@ def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingS
     on a card of ``gpu_memory_bytes`` the cache gives way before an OOM (``release_under_pressure``)."""
     frag = float(overhead.get("fragmentation_fraction", 0.0)) if overhead else 0.0
     live = {p: phases[p].peak for p in PHASES}
+    held = held_bytes(phases, pb.held, step_pinned)
     allocated, reserved, side = reserved_bytes(
         live, pb.side, fragmentation_fraction=frag,
-        expandable_segments=training.expandable_segments, step_transient=pb.step_transient)
+        expandable_segments=training.expandable_segments, step_transient=pb.step_transient, held_by_phase=held)
     required = required_bytes(live, pb.side, fragmentation_fraction=frag,
                               expandable_segments=training.expandable_segments, step_transient=pb.step_transient,
-                              step_pinned=step_pinned)
+                              step_pinned=step_pinned, held_by_phase=held)
     required = min(required, reserved)  # what cannot be released is at most what is cached
     od: dict[str, int] = {}
     if overhead:
@@ -244,7 +269,6 @@ def memory_for_stage(
 
     pb = phase_buffers(tl, training, zero, stage, off_opt=off_opt, grad_bytes=sp.grad_bytes,
                        grad_end=gpu_grads_end, wrapper=sp.wrapper, gather_layout=layout)
-    buffers = pb.detail
     # gradients that persist outside backward/step: stage 3's partition buffer and BF16_Optimizer's
     # fp32 gradients always; with gradient accumulation the previous micro-steps' gradients
     persistent_grads = stage == 3 or sp.wrapper == "bf16_optimizer" or training.grad_accum > 1
@@ -260,8 +284,7 @@ def memory_for_stage(
 
     # ---- the caching allocator, CUDA context, NCCL (core/allocator.py) ----
     n_comm = communicators(zero, stage, n_gpus)
-    # p.grad from autograd kept to the step (FP16_Optimizer / no wrapper, ZeRO stage 1): core/allocator.py
-    step_pinned = sp.wrapper in ("fp16_optimizer", "basic", "unsupported") or (sp.wrapper == "zero" and stage == 1)
+    step_pinned = grads_from_autograd(sp.wrapper, stage)
     allocated, reserved, required, side, od = _device_figures(phases, pb, training, overhead, n_comm,
                                                               gpu_memory_bytes, step_pinned, notes)
     peak = reserved + od.get("cuda_context", 0) + od.get("nccl", 0)
@@ -281,9 +304,9 @@ def memory_for_stage(
         required=required,
         peak=peak,
         peak_phase=peak_phase,
-        peak_reason=_reason(phases, peak_phase, allocated, stage, gp, buffers, off_opt == "none"),
+        peak_reason=_reason(phases, peak_phase, allocated, stage, gp, pb.detail, off_opt == "none"),
         phases=phases,
-        buffers_detail=buffers,
+        buffers_detail=pb.detail,
         activations_detail=act,
         overhead_detail=od,
         gather=gather,
@@ -293,6 +316,8 @@ def memory_for_stage(
         optimizer_impl=training.optimizer_impl if off_opt == "none" else "cpu-adam",
         optimizer_wrapper=sp.wrapper,
         step_transient_bytes=pb.step_transient,
+        held_bytes=held_bytes(phases, pb.held, step_pinned),
+        gradients_churned=step_pinned,
         notes=notes,
     )
 

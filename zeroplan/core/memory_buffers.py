@@ -46,6 +46,10 @@ class PhaseBuffers:
     gather_backward: GatherPeak | None = None
     step_grads: int | None = None  # gradient bytes live at the step (None: the end-of-backward gradients)
     step_transient: int = 0  # the step's large new blocks (fp32 casts, flat copies, optimizer temporaries)
+    # per phase, the buffer bytes whose segments fit them exactly (core/allocator.py): allocated once and
+    # held (ipg buckets, the hpZ secondary partition), or re-requested at their own size every step
+    # (the step's transients: best fit hands back the block they freed). Included in the totals above.
+    held: dict[str, int] = field(default_factory=dict)
 
 
 def _prefetch(sizes: list[int], j: int, room: int) -> int:
@@ -126,6 +130,8 @@ def _stage3(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, b_g: int, b_c: i
     pb.forward += persistent + g_f
     pb.backward += persistent + d["reduce_scatter_temp"] + g_b
     pb.step += persistent
+    # stage3.py __init__ allocates the ipg bucket's flat buffer once (contiguous gradients)
+    pb.held = {"forward": persistent, "backward": persistent, "step": persistent}
     pb.side["allgather"] = {"forward": g_f, "backward": g_b}
     pb.side["reduce_scatter"] = {"backward": d["reduce_scatter_temp"]}
 
@@ -139,6 +145,7 @@ def _stage12(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Train
         # stage_1_and_2.py setup_buckets: one bucket, two with overlap_comm (buf_0, buf_1)
         d["ipg_bucket"] = b_g * rbs * (2 if overlap else 1)
         pb.backward += d["ipg_bucket"]
+        pb.held["backward"] = d["ipg_bucket"]  # allocated at the first backward, kept (ipg_buffer)
     d["allreduce_flatten"] = b_c * min(rbs, layout.params)
     pb.backward += d["allreduce_flatten"]
     if overlap:  # reduce_ipg_grads runs the reduction on reduction_stream
@@ -203,6 +210,7 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Training
         d["step_fp32_grad"] = 0
         pb.step_transient = temps
     pb.step += pb.step_transient
+    pb.held["step"] = pb.held.get("step", 0) + pb.step_transient
 
 
 def phase_buffers(layout: Layout, training: TrainingSetup, zero: ZeroConfig, stage: int, *, off_opt: str, grad_bytes: int,

@@ -51,7 +51,7 @@ _NCCL_ALGORITHMS = ("ring", "tree", "nvls", "collnet")
 _FRACTIONS = {
     "intra_node.efficiency": (False, "a fraction in (0, 1], e.g. 0.8 for 80%"),
     "inter_node.efficiency": (False, "a fraction in (0, 1], e.g. 0.8 for 80%"),
-    "overhead.fragmentation_fraction": (True, "a fraction in [0, 0.5], e.g. 0.1 for 10% of the peak"),
+    "overhead.fragmentation_fraction": (True, "a fraction in [0, 0.5] of the churned bytes, e.g. 0.36 for 36%"),
 }
 
 

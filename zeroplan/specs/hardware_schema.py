@@ -69,7 +69,7 @@ class OverheadSpec(_Strict):
 
     cuda_context_bytes: int  # CUDA/HIP context + library workspaces
     nccl_bytes: int  # NCCL buffers per communicator (core/allocator.py counts the communicators)
-    fragmentation_fraction: float  # of the live peak (caching-allocator slack)
+    fragmentation_fraction: float  # of the churned live bytes (caching-allocator split slack; core/allocator.py)
 
 
 class HardwareProfile(_Strict):

@@ -126,7 +126,7 @@ def _rows(p: Any) -> list[tuple[str, str]]:
     rows += [
         ("overhead.cuda_context_bytes", _bytes(o.cuda_context_bytes)),
         ("overhead.nccl_bytes", _bytes(o.nccl_bytes)),
-        ("overhead.fragmentation_fraction", f"{o.fragmentation_fraction:g} of the live peak"),
+        ("overhead.fragmentation_fraction", f"{o.fragmentation_fraction:g} of the churned bytes (freed and re-requested at other sizes)"),
     ]
     return rows
 

@@ -122,7 +122,7 @@ def _tracer():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi", "mixtral"])
 def test_retrace_matches_shipped_data(family):
     tr = _tracer()
     data = traced_data()
@@ -136,11 +136,16 @@ def test_retrace_matches_shipped_data(family):
     h = 4 * base.head_dim
     spec = base.scaled(hidden_size=h, intermediate_size=base.intermediate_size * h // base.hidden_size,
                        vocab_size=base.vocab_size * h // base.hidden_size)
+    checked = 0
     for attn, ckpt in (("sdpa", False), ("eager", True)):
         coef = data["families"][family]["variants"][f"{attn}/{'full' if ckpt else 'none'}"]
+        if coef is None:  # no exact form (the data says why): the planner uses the paper formula
+            continue
+        checked += 1
         got = tr._measures(spec.hf_config, 59, "bf16", attn, ckpt)
         want = {m: tr.predict(c, spec, 59) for m, c in coef.items()}
         assert got == want, (family, attn, ckpt)
+    assert checked, family
 
 
 def test_readme_table_is_what_the_planner_uses():

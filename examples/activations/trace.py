@@ -241,12 +241,23 @@ def _perturbed(family: str) -> list[Any]:
     else:
         out += _try(lambda: base.scaled(hidden_size=h + 16 * a, num_attention_heads=a))  # wider heads
     out += _try(lambda: base.scaled(num_key_value_heads=kv // 2 if kv % 2 == 0 and kv > 1 else a))
+    if "partial_rotary_factor" in base.hf_config:
+        # phi: the rotary width int(head_dim · factor) is a term of its own (the cos/sin tables); the
+        # shapes above move it only together with h, a and head_dim, which leaves it in their span
+        # with fractional coefficients, so move it alone too
+        factor = float(base.hf_config["partial_rotary_factor"])
+        out.append(_spec(dict(base.hf_config, partial_rotary_factor=factor + 0.1)))
     out.append(base.scaled(intermediate_size=base.intermediate_size + 64))
     out.append(base.scaled(vocab_size=base.vocab_size + 128))
     if base.num_experts:
         k = base.experts_per_token
         out.append(_spec(dict(base.hf_config, num_local_experts=base.num_experts + 2)))
         out.append(_spec(dict(base.hf_config, num_experts_per_tok=k + 1)))
+        # k moves k·h, k·ffn and the per-token routing bytes together; with k changed at a wider
+        # h and at another ffn as well, the three are told apart
+        out.append(_spec(dict(_wider(base, 2).hf_config, num_experts_per_tok=k + 1)))
+        out.append(_spec(dict(base.scaled(intermediate_size=base.intermediate_size + 64).hf_config,
+                              num_experts_per_tok=k + 1)))
     return out
 
 
@@ -262,7 +273,11 @@ def held_out(family: str) -> Any:
     """A shape none of the fit's samples has: wider, another ffn and vocabulary at once."""
     base = _spec(catalog_config(family))
     wide = _wider(base, 4)
-    return wide.scaled(intermediate_size=wide.intermediate_size + 32, vocab_size=wide.vocab_size + 64)
+    out = wide.scaled(intermediate_size=wide.intermediate_size + 32, vocab_size=wide.vocab_size + 64)
+    if base.num_experts:  # and more experts, more of them per token
+        out = _spec(dict(out.hf_config, num_local_experts=base.num_experts + 1,
+                         num_experts_per_tok=base.experts_per_token + 2))
+    return out
 
 
 HELD_OUT_SEQ = 71
@@ -388,7 +403,7 @@ def generate(families: list[str], log: Any = print) -> dict[str, Any]:
         "torch_version": torch.__version__.split("+")[0],
         "dtypes": ["bf16", "fp16"],
         "features": "bytes per token: tok=1, s=seq, h, q=a*head_dim, kv=kv_heads*head_dim, hd=head_dim, rot=rotary dims, ffn, a, "
-                    "as=a*seq, V, E, kh=k*h, kffn=k*ffn (k=experts per token); const = bytes per sequence",
+                    "as=a*seq, V, E, kh=k*h, kffn=k*ffn, k (k=experts per token); const = bytes per sequence",
         "families": {f: fit_family(f, log) for f in families},
     }
 

@@ -97,6 +97,9 @@ def token_features(spec: ModelSpec, seq_len: int) -> dict[str, int]:
         "E": spec.num_experts,
         "kh": k * spec.hidden_size,
         "kffn": k * spec.intermediate_size,
+        # MoE: the bookkeeping of each of a token's k routed rows (transformers' grouped_mm experts:
+        # sizes depend on s·k only, not on where the tokens go)
+        "k": k,
     }
 
 

@@ -18,7 +18,7 @@ Two flavours (``comm_model``):
   all-reduces an 8-byte norm.
 - ``paper`` — the ZeRO paper: stages 1–2 reduce-scatter (in partition-aligned buckets of
   ``reduce_bucket_size // N`` elements per rank) + all-gather (2Ψ), stage 3
-  gathers in forward and again in backward for every module (3Ψ; a tied head gathers its weight too).
+  gathers in forward and again in backward for every module (3Ψ).
 Both use the same padded layout (core/layout.py). ZeRO++ (stage 3): qwZ gathers int8
 weights plus fp32 block scales, hpZ re-gathers in backward inside the node from a
 secondary partition, qgZ replaces the gradient reduce-scatter by an int4 hierarchical
@@ -227,23 +227,26 @@ def _stage3_gathers(B: _Builder, layout: Layout, training: TrainingSetup, zero: 
                     no_backward: frozenset[str], notes: list[str]) -> None:
     """Stage 3's parameter all-gathers in forward and backward (ZeRO++ qwZ / hpZ variants).
 
-    Replayed from DeepSpeed's coordinator (core/stage3_fetch.py), tied weights included; the paper
-    flavour without prefetch and reuse (every module gathered in forward and again in backward)."""
+    DeepSpeed: replayed from its coordinator (core/stage3_fetch.py), tied weights included. Paper:
+    every parameter gathered once in forward and once in backward (3Ψ with the reduce-scatter)."""
     prec = training.precision
     b_p, pdt, gas, n = prec.param_bytes, prec.dtype, training.grad_accum, layout.n
     qwz = zero.zero_quantized_weights
     hpz = zero.zero_hpz_partition_size or 1  # 0 and 1 both mean no secondary partition
-    pset = {t.name for t in layout.persistent_tensors}
-    units = [FetchUnit(u.name, u.params, u.grad_input, u.name not in no_backward) for u in layout.units]
-    # the paper's schedule is the same coordinator without prefetch or reuse: every module gathers
-    # what it reads (a tied head: the embedding's weight) before its forward and again before its backward
-    gathers = stage3_gathers([t.numel for t in layout.tensors], [layout.padded(t.numel) for t in layout.tensors],
-                             [t.name in pset for t in layout.tensors], units,
-                             max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size if ds else 0,
-                             max_reuse=zero.max_reuse_distance if ds else 0, grad_accum=gas)
-    calls = [(g.phase, g.elements, g.params, count) for g, count in gathers]
-    if ds and len(calls) == 1 and calls[0][0] == "forward" and calls[0][2] == len(layout.tensors) - len(pset):
-        notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
+    if ds:
+        pset = {t.name for t in layout.persistent_tensors}
+        units = [FetchUnit(u.name, u.params, u.grad_input, u.name not in no_backward) for u in layout.units]
+        gathers = stage3_gathers([t.numel for t in layout.tensors], [layout.padded(t.numel) for t in layout.tensors],
+                                 [t.name in pset for t in layout.tensors], units,
+                                 max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
+                                 max_reuse=zero.max_reuse_distance, grad_accum=gas)
+        calls = [(g.phase, g.elements, g.params, count) for g, count in gathers]
+        if len(calls) == 1 and calls[0][0] == "forward" and calls[0][2] == len(layout.tensors) - len(pset):
+            notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
+    else:  # the paper: every parameter gathered once in forward and once in backward (a tied one too)
+        mods = [m for m in layout.modules if m.gathered > 0]
+        calls = [("forward", m.gathered, m.n_gathered, gas) for m in mods] + [
+            ("backward", m.gathered, m.n_gathered, gas) for m in reversed(mods) if m.name not in no_backward]
     for phase, size, nparams, count in calls:
         if phase == "backward" and hpz > 1:
             # groups of min(hpz, world) consecutive ranks (DeepSpeed 0.19.8 utils/groups.py::

@@ -75,6 +75,7 @@ class Stage3Gather:
         trace) its queue entries popped and the next ones prefetched in one all-gather."""
         if self.trace_mode == "record":
             self.trace.append(site)
+            self.trace_phases.append(self.comm.phase)
         ps = self.site_params[site]
         todo = [i for i in ps if not self.live[i]]
         if todo:
@@ -118,8 +119,13 @@ class Stage3Gather:
         if key not in self.release_cache:
             out = {i for i in self.site_params[site]
                    if not self.persistent[i] and self.recent.get(i, _NEVER) <= self.step_id}
+            if not self.ds:  # the paper: each parameter gathered once a pass, released after its last read in it
+                phase = self.comm.phase
+                for sid in range(self.step_id, len(self.trace)):
+                    if self.trace_phases[sid] == phase:
+                        out.difference_update(self.site_params[self.trace[sid]])
             traversed = 0
-            for later in self.trace[self.step_id:]:
+            for later in self.trace[self.step_id:] if self.ds else ():
                 if traversed >= self.max_reuse:
                     break
                 for i in self.site_params[later]:

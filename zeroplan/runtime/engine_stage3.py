@@ -93,12 +93,14 @@ class Stage3Strategy(Stage3Gather, GradHooks, StageStrategy):
 
     def _setup3_prefetch(self, unit_numel: list[int]) -> None:
         """The coordinator's knobs and state (DeepSpeed 0.19.8 ``PartitionedParameterCoordinator``;
-        the rule itself runs in ``engine_gather``). ``paper``: no prefetch and no reuse, so every
-        module is gathered before its forward and again before its backward."""
+        the rule itself runs in ``engine_gather``). ``paper``: no prefetch, and a parameter is kept
+        only until its last read in the pass, so each is gathered once in forward and once in
+        backward (a tied weight too)."""
         self.max_live = self.zero.max_live_parameters if self.ds else 0
         self.prefetch_bucket = self.zero.prefetch_bucket_size if self.ds else 0
         self.max_reuse = self.zero.max_reuse_distance if self.ds else 0
         self.trace: list[int] = []  # site per fetch, recorded in the first micro-step (record_module)
+        self.trace_phases: list[str] = []  # forward / backward per trace entry (the paper's per-pass rule)
         self.trace_mode = "invalid"  # -> "record" at the first forward, "complete" at the second
         self.release_cache: dict[tuple[int, int], set[int]] = {}  # __params_to_release's lru_cache
         self.active: dict[int, set[int]] = {i: set() for i in range(len(self.params))}  # ds_active_sub_modules

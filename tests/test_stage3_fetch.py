@@ -1,0 +1,97 @@
+"""core/stage3_fetch.py on a three-module tied model, against schedules worked out by hand from
+DeepSpeed 0.19.8's coordinator (partitioned_param_coordinator.py); no DeepSpeed needed.
+
+The model: an embedding owning W (10 elements), a linear owning A (5), a head reading W (tied).
+N = 1, so padded = numel. DeepSpeed's trace: model, embed, linear, head (forward; step ids 0-3),
+model, head, linear, embed (backward; 4-7). The embedding's input is token ids: no post-backward
+release for it (released as a leftover at the end of backward).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from zeroplan.core.layout import zero_layout
+from zeroplan.core.stage3_fetch import FetchUnit, stage3_gathers
+from zeroplan.specs.deepspeed_config import ZeroConfig
+from zeroplan.specs.model import load_model
+
+W, A = 0, 1
+NUMEL = [10, 5]
+UNITS = [FetchUnit("embed", (W,), grad_input=False), FetchUnit("linear", (A,)), FetchUnit("head", (W,))]
+E9 = 10**9
+
+
+def _calls(max_live, prefetch, reuse, persistent=(False, False), gas=1):
+    got = stage3_gathers(NUMEL, NUMEL, list(persistent), UNITS, max_live=max_live, prefetch_bucket=prefetch,
+                         max_reuse=reuse, grad_accum=gas)
+    return [(g.phase, g.elements, count) for g, count in got]
+
+
+def test_no_prefetch_no_reuse_gathers_the_tied_weight_for_each_reader():
+    # every fetch gathers what is missing, every release frees it: W for embed and again for the
+    # head in forward; in backward the head (first) gathers W, frees it after its backward, and
+    # the embedding (last) gathers it again
+    fwd = [("forward", 10, 1), ("forward", 5, 1), ("forward", 10, 1)]
+    bwd = [("backward", 10, 1), ("backward", 5, 1), ("backward", 10, 1)]
+    assert _calls(0, 0, 0) == fwd + bwd
+    assert _calls(E9, 0, 0) == fwd + bwd  # max_live only bounds a prefetch; there is none
+
+
+def test_reuse_window_keeps_what_is_read_again():
+    # reuse 1e9: after the embedding's forward, W is read again within the window (the head): kept;
+    # A is read again in backward: kept; nothing is gathered twice
+    assert _calls(0, 0, E9) == [("forward", 10, 1), ("forward", 5, 1)]
+    # reuse 5: at the embedding's release (step id 2) the window is the linear only (5 elements
+    # traversed >= 5 ends it): W released; at the linear's (3) the head: A released; at the head's
+    # (4) the model and the head again in backward: W kept. Backward: the head finds W, frees it
+    # after its backward (window: the linear), the linear and the embedding gather again
+    assert _calls(0, 0, 5) == [("forward", 10, 1), ("forward", 5, 1), ("forward", 10, 1),
+                               ("backward", 5, 1), ("backward", 10, 1)]
+
+
+def test_prefetch_runs_into_the_backward_part_of_the_trace():
+    # prefetch 6: the model's own fetch (step 0) prefetches W (10 >= 6 stops it); the embedding's
+    # fetch prefetches A and pops the rest of the queue (W's and A's later entries are skipped,
+    # AVAILABLE, but their step ids are recorded), so no release happens before each parameter's
+    # last use: two forward calls, none in backward, whatever the reuse distance
+    assert _calls(E9, 6, 0) == [("forward", 10, 1), ("forward", 5, 1)]
+    # max_live 12: 2 elements of room after W: the embedding's fetch takes A (checked before
+    # adding) and stops, so W's later entries are not popped and W is freed after the embedding;
+    # the linear's fetch prefetches W again (room 7), the head's fetch A again (room 2); in
+    # backward nothing fits at the model's fetch (room < 0), the head frees W, the linear's fetch
+    # prefetches it for the embedding
+    assert _calls(12, 6, 0) == [("forward", 10, 1), ("forward", 5, 1), ("forward", 10, 1), ("forward", 5, 1),
+                                ("backward", 10, 1)]
+    # max_live 10: no room after W: the linear gathers A itself and prefetches W for the head; the
+    # backward repeats it from the model's own fetch
+    assert _calls(10, 6, 0) == [("forward", 10, 1), ("forward", 5, 1), ("forward", 10, 1),
+                                ("backward", 10, 1), ("backward", 5, 1), ("backward", 10, 1)]
+
+
+def test_persistent_parameters_are_never_gathered_in_a_pass():
+    assert _calls(0, 0, 0, persistent=(True, False)) == [("forward", 5, 1), ("backward", 5, 1)]
+    assert _calls(0, 0, 0, persistent=(True, True)) == []
+
+
+def test_micro_steps_repeat():
+    def total(calls):
+        out = Counter()
+        for phase, elements, count in calls:
+            out[(phase, elements)] += count
+        return out
+
+    for knobs in ((0, 0, 0), (12, 6, 0), (0, 0, 5)):
+        assert total(_calls(*knobs, gas=4)) == Counter({k: 4 * v for k, v in total(_calls(*knobs)).items()})
+
+
+def test_layout_units_give_the_tied_head_the_embeddings_tensor():
+    spec = load_model("gpt2").scaled(num_layers=1, hidden_size=48, vocab_size=301, num_attention_heads=3)
+    lay = zero_layout(spec, 2, ZeroConfig(stage=3))
+    head = next(t for t in spec.tensors if t.tied_to)
+    unit = next(u for u in lay.units if u.name == head.module)
+    assert [lay.tensors[i].name for i in unit.params] == [head.tied_to]
+    embeds = [u for u in lay.units if not u.grad_input]
+    assert {u.name for u in embeds} == {t.module for t in spec.tensors if t.role in ("embed", "pos_embed")}
+    # every tensor is read by its owner's unit; the head reads one more (the tie)
+    assert sum(len(u.params) for u in lay.units) == len(lay.tensors) + 1

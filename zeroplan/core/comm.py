@@ -27,12 +27,13 @@ all-to-all (intra-node then inter-node) when there is more than one node.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
 from zeroplan.core.layout import Layout, ceil_div, greedy_buckets_after
-from zeroplan.core.stage3_fetch import FetchUnit, stage3_gathers
+from zeroplan.core.stage3_fetch import stage3_gathers
 from zeroplan.specs.collectives import sent_bytes
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.training import TrainingSetup
@@ -234,17 +235,18 @@ def _stage3_gathers(B: _Builder, layout: Layout, training: TrainingSetup, zero: 
     qwz = zero.zero_quantized_weights
     hpz = zero.zero_hpz_partition_size or 1  # 0 and 1 both mean no secondary partition
     pset = {t.name for t in layout.persistent_tensors}
-    units = [FetchUnit(u.name, u.params, u.grad_input, u.name not in no_backward) for u in layout.units]
+    units = [replace(u, backward=u.name not in no_backward) for u in layout.units]
     # the paper's schedule is the same coordinator without prefetch or reuse: every module gathers
     # what it reads (a tied head: the embedding's weight) before its forward and again before its backward
     gathers = stage3_gathers([t.numel for t in layout.tensors], [layout.padded(t.numel) for t in layout.tensors],
                              [t.name in pset for t in layout.tensors], units,
                              max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size if ds else 0,
-                             max_reuse=zero.max_reuse_distance if ds else 0, grad_accum=gas)
-    calls = [(g.phase, g.elements, g.params, count) for g, count in gathers]
+                             max_reuse=zero.max_reuse_distance if ds else 0, grad_accum=gas,
+                             recompute_layers=training.checkpointing == "full")
+    calls = [(g.phase, g.elements, g.params, g.recompute, count) for g, count in gathers]
     if ds and len(calls) == 1 and calls[0][0] == "forward" and calls[0][2] == len(layout.tensors) - len(pset):
         notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
-    for phase, size, nparams, count in calls:
+    for phase, size, nparams, recompute, count in calls:
         if phase == "backward" and hpz > 1:
             # groups of min(hpz, world) consecutive ranks (DeepSpeed 0.19.8 utils/groups.py::
             # _create_zero_param_parallel_group): larger than a node, the gather crosses the NICs
@@ -257,8 +259,8 @@ def _stage3_gathers(B: _Builder, layout: Layout, training: TrainingSetup, zero: 
                   count, "int8", True)
         else:
             what = "parameters" if nparams > 1 else "module parameters"
-            B.add("all_gather", phase, what if phase == "forward" else f"{what} re-gathered", size * b_p, count, pdt,
-                  True)
+            what = what if phase == "forward" else f"{what} re-gathered" + (" (layer recomputed)" if recompute else "")
+            B.add("all_gather", phase, what, size * b_p, count, pdt, True)
 
 
 def _stage3_reduce_and_step(B: _Builder, layout: Layout, tl: Layout, training: TrainingSetup, zero: ZeroConfig,

@@ -13,12 +13,14 @@ Two flavours (``comm_model``):
   overflow flag and a 4-byte norm all-reduce; stage 3 gathers parameters as DeepSpeed's
   parameter coordinator does (core/stage3_fetch.py: fetch, prefetch within
   ``stage3_prefetch_bucket_size`` / ``stage3_max_live_parameters``, release unless reused within
-  ``stage3_max_reuse_distance``; a tied head gathers the embedding's weight), reduce-scatters
+  ``stage3_max_reuse_distance``; a tied head gathers the embedding's weight; under full
+  checkpointing the recomputed layers fetch again inside backward), reduce-scatters
   gradient buckets every micro-step, and after the step gathers each persistent parameter and
   all-reduces an 8-byte norm.
 - ``paper`` — the ZeRO paper: stages 1–2 reduce-scatter (in partition-aligned buckets of
   ``reduce_bucket_size // N`` elements per rank) + all-gather (2Ψ), stage 3
-  gathers in forward and again in backward for every module (3Ψ; a tied head gathers its weight too).
+  gathers in forward and again in backward for every module (3Ψ; a tied head gathers its weight too;
+  full checkpointing adds the recomputation's gathers, as the runtime's paper flavour issues them).
 Both use the same padded layout (core/layout.py). ZeRO++ (stage 3): qwZ gathers int8
 weights plus fp32 block scales, hpZ re-gathers in backward inside the node from a
 secondary partition, qgZ replaces the gradient reduce-scatter by an int4 hierarchical

@@ -32,7 +32,11 @@ ledger carries the calls DeepSpeed issues, tied weights included:
   parameter is released (``release_and_reset_all``) and the persistent ones re-gathered.
 
 The trace is the spec's module order: the runtime model and HF implementations call the modules
-in that order (measured, DS 0.19.8: tests/test_deepspeed_tied.py).
+in that order (measured, DS 0.19.8: tests/test_deepspeed_tied.py). Under full activation
+checkpointing (``torch.utils.checkpoint``, non-reentrant as transformers 5.x calls it) the
+recomputed forward inside the backward fires the module hooks again, so its fetches are trace
+entries too, in the order autograd runs them (``micro_step_events``; measured on GPT-2, Llama and
+Mixtral layers, call for call in order).
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def build_ledger(
     elif zero.stage in (1, 2):
         _stages12(B, layout, training, zero, ds)
     else:
-        _stage3_gathers(B, layout, training, zero, ds, no_backward, notes)
+        _stage3_gathers(B, layout, tl, training, zero, ds, no_backward, notes)
         _stage3_reduce_and_step(B, layout, tl, training, zero, ds)
     cpu_params, nvme_bytes = offload_costs(tl, training, zero)
     by_op, total, inter = _totals(B)
@@ -226,7 +226,7 @@ def _stages12(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroCo
         B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
 
 
-def _stage3_gathers(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroConfig, ds: bool,
+def _stage3_gathers(B: _Builder, layout: Layout, tl: Layout, training: TrainingSetup, zero: ZeroConfig, ds: bool,
                     no_backward: frozenset[str], notes: list[str]) -> None:
     """Stage 3's parameter all-gathers in forward and backward (ZeRO++ qwZ / hpZ variants).
 
@@ -237,6 +237,7 @@ def _stage3_gathers(B: _Builder, layout: Layout, training: TrainingSetup, zero: 
     qwz = zero.zero_quantized_weights
     hpz = zero.zero_hpz_partition_size or 1  # 0 and 1 both mean no secondary partition
     pset = {t.name for t in layout.persistent_tensors}
+    trained = {t.name for t in tl.tensors}  # with frozen weights: the trainable ones (train_layout)
     units = [replace(u, backward=u.name not in no_backward) for u in layout.units]
     # the paper's schedule is the same coordinator without prefetch or reuse: every module gathers
     # what it reads (a tied head: the embedding's weight) before its forward and again before its backward
@@ -244,7 +245,8 @@ def _stage3_gathers(B: _Builder, layout: Layout, training: TrainingSetup, zero: 
                              [t.name in pset for t in layout.tensors], units,
                              max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size if ds else 0,
                              max_reuse=zero.max_reuse_distance if ds else 0, grad_accum=gas,
-                             recompute_layers=training.checkpointing == "full")
+                             recompute_layers=training.checkpointing == "full",
+                             frozen=[t.name not in trained for t in layout.tensors])
     calls = [(g.phase, g.elements, g.params, g.recompute, count) for g, count in gathers]
     if ds and len(calls) == 1 and calls[0][0] == "forward" and calls[0][2] == len(layout.tensors) - len(pset):
         notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")

@@ -79,13 +79,16 @@ class _Coordinator:
     numel: list[int]
     padded: list[int]
     persistent: list[bool]
-    events: list[tuple[str, int, str, bool]]  # micro_step_events: (fetch | release | pending, unit, phase, recompute)
+    events: list[tuple[str, int, str, bool]]  # micro_step_events: (fetch | release, unit, phase, recompute)
     units: list[FetchUnit]
     max_live: int
     prefetch_bucket: int
     max_reuse: int
     available: set[int] = field(default_factory=set)
     inflight: set[int] = field(default_factory=set)
+    frozen: list[bool] = field(default_factory=list)  # requires_grad False (a fine-tuning's frozen base)
+    backward_units: dict[int, None] = field(default_factory=dict)  # __active_backward_submodules, in order
+    attributed: dict[int, set[int]] = field(default_factory=dict)  # ds_recompute_parameters per unit
     active: dict[int, set[int]] = field(default_factory=dict)
     cache: dict[tuple[int, int], frozenset[int]] = field(default_factory=dict)
     gathers: list[Gather] = field(default_factory=list)
@@ -131,6 +134,16 @@ class _Coordinator:
         for p in ps:
             self.active.setdefault(p, set()).add(u)
             self.inflight.discard(p)  # waited on
+        if phase == "backward" and not recompute:  # fetch_sub_module(forward=False)
+            self.backward_units.setdefault(u)
+        elif recompute and self.backward_units:
+            # a frozen parameter fetched by the recomputation is held for the backward module that
+            # is running (update_recompute_parameters): released with it, not after its forward
+            owner = next(reversed(self.backward_units))
+            for p in ps:
+                if self.frozen and self.frozen[p]:
+                    self.attributed.setdefault(owner, set()).add(p)
+                    self.active.setdefault(p, set()).add(owner)
         sid = self.step_id
         not_fetched = {p for p in ps if self.recent.get(p, _NEVER) < sid}
         popped = 0
@@ -179,18 +192,27 @@ class _Coordinator:
             self.available.discard(p)
             self.n_available -= self.numel[p]
 
-    def release(self, u: int) -> None:
-        """``release_sub_module``."""
+    def release(self, u: int, backward: bool = False) -> None:
+        """``release_sub_module``; after a backward (``forward=False``) the unit also releases the
+        frozen parameters attributed to it by a recomputation, whatever the reuse distance."""
         rel = self._to_release(u)
-        for p in self.params_of(u):
+        ps = set(self.params_of(u))
+        if backward:
+            self.backward_units.pop(u, None)
+            extra = self.attributed.pop(u, set())
+            rel = rel | {p for p in extra if not self.persistent[p]}
+            ps |= extra
+        for p in sorted(ps):
             self.active.get(p, set()).discard(u)
             if p in rel:
                 self._release_param(p)
 
-    def leftovers(self, pending: list[int]) -> None:
-        """``release_backward_leftovers``: units whose post-backward hook never ran (LIFO)."""
-        for u in reversed(pending):
-            for p in self.params_of(u):
+    def leftovers(self) -> None:
+        """``release_backward_leftovers``: backward units whose post-backward hook never ran (LIFO)."""
+        while self.backward_units:
+            u = next(reversed(self.backward_units))
+            del self.backward_units[u]
+            for p in sorted(set(self.params_of(u)) | self.attributed.pop(u, set())):
                 self.active.get(p, set()).discard(u)
                 if not self.persistent[p]:
                     self._release_param(p)
@@ -198,15 +220,12 @@ class _Coordinator:
     def micro_step(self) -> None:
         """One forward and backward with a complete trace: the hooks' events in order."""
         self.reset_step()
-        pending: list[int] = []
         for kind, u, phase, recompute in self.events:
             if kind == "fetch":
                 self.fetch(u, phase, recompute)
-            elif kind == "release":
-                self.release(u)
             else:
-                pending.append(u)
-        self.leftovers(pending)
+                self.release(u, backward=phase == "backward" and not recompute)
+        self.leftovers()
 
     def boundary(self) -> None:
         """``release_and_reset_all`` at the optimizer step, then the persistent parameters re-gathered."""
@@ -217,9 +236,10 @@ class _Coordinator:
 
 def micro_step_events(units: list[FetchUnit], recompute_layers: bool = False) -> list[tuple[str, int, str, bool]]:
     """One micro-step as parameter_offload.py's hooks drive the coordinator: (kind, unit, phase,
-    recompute) with kind ``fetch`` (``fetch_sub_module``), ``release`` (``release_sub_module``) or
-    ``pending`` (a post-backward release that never runs: ``release_backward_leftovers``); unit -1 is
-    the root. Forward: the root, then each unit fetched and released (``_pre_forward_module_hook`` /
+    recompute) with kind ``fetch`` (``fetch_sub_module``) or ``release`` (``release_sub_module``);
+    unit -1 is the root. A unit fetched in backward whose post-backward release never runs (the
+    root, an embedding: no gradient reaches their input) is released at the end of backward
+    (``release_backward_leftovers``). Forward: the root, then each unit fetched and released (``_pre_forward_module_hook`` /
     ``_post_forward_module_hook``). Backward: the root, then the units in reverse, each fetched by the
     ``PreBackwardFunctionForModule`` on its output and released by the ``PostBackwardFunctionModule``
     on its inputs.
@@ -239,7 +259,7 @@ def micro_step_events(units: list[FetchUnit], recompute_layers: bool = False) ->
     ev: list[tuple[str, int, str, bool]] = [("fetch", -1, "forward", False)]
     for u in range(len(units)):
         ev += [("fetch", u, "forward", False), ("release", u, "forward", False)]
-    ev += [("release", -1, "forward", False), ("pending", -1, "backward", False), ("fetch", -1, "backward", False)]
+    ev += [("release", -1, "forward", False), ("fetch", -1, "backward", False)]
     layers: dict[int, list[int]] = {}
     for u, unit in enumerate(units):
         if unit.layer is not None:
@@ -264,23 +284,28 @@ def micro_step_events(units: list[FetchUnit], recompute_layers: bool = False) ->
                 ev.append(("fetch", u, "backward", False))
         else:
             ev.append(("fetch", u, "backward", False))
-        ev.append(("release" if unit.grad_input else "pending", u, "backward", False))
+        if unit.grad_input:
+            ev.append(("release", u, "backward", False))
     return ev
 
 
 def stage3_gathers(numel: list[int], padded: list[int], persistent: list[bool], units: list[FetchUnit], *,
                    max_live: int, prefetch_bucket: int, max_reuse: int,
-                   grad_accum: int, recompute_layers: bool = False) -> list[tuple[Gather, int]]:
+                   grad_accum: int, recompute_layers: bool = False,
+                   frozen: list[bool] | None = None) -> list[tuple[Gather, int]]:
     """The all-gathers of one steady optimizer step (``grad_accum`` micro-steps): (gather, calls).
 
-    ``recompute_layers``: full activation checkpointing (``micro_step_events``). A warm-up step
+    ``recompute_layers``: full activation checkpointing (``micro_step_events``); ``frozen``: per
+    parameter, no gradient (a frozen base: the recomputation's fetches of it are held for the running
+    backward unit, ``update_recompute_parameters``). A warm-up step
     runs first so that ``__params_to_release``'s cache holds what DeepSpeed's first complete-trace
     micro-step put in it (the measured steps come after two warm-up steps). A micro-step that
     starts from the state the previous one started from, and adds nothing to the cache, repeats it
     exactly: the remaining micro-steps are counted, not replayed.
     """
     events = micro_step_events(units, recompute_layers)
-    c = _Coordinator(numel, padded, persistent, events, units, max_live, prefetch_bucket, max_reuse)
+    c = _Coordinator(numel, padded, persistent, events, units, max_live, prefetch_bucket, max_reuse,
+                     frozen=list(frozen or []))
     out: list[tuple[Gather, int]] = []
     for measured in (False, True):
         c.boundary()

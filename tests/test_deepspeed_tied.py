@@ -97,6 +97,15 @@ CASES = [
     ("mixtral", _knobs(E9, 0, 1000, 0), "bf16", 1, 1, "full"),
     ("mixtral", _knobs(0, 0, 0, 0), "bf16", 1, 1, "full"),
 ]
+# LoRA (q_proj + v_proj, or down_proj) on the engine's Llama under full checkpointing: the frozen base
+# weights a recomputation fetches are held for the running backward module
+# (update_recompute_parameters); (knobs, LoRA targets)
+LORA_CASES = [
+    (_knobs(0, 0, 0, 0), ("q_proj", "v_proj")),
+    (_knobs(0, 0, 0, 0), ("down_proj",)),
+    (_knobs(E9, 0, 3000, 0), ("q_proj", "v_proj")),
+    (_knobs(E9, 0, 3000, 0), ("down_proj",)),
+]
 SPECS = {"gpt2": _gpt2_tied, "llama": _llama_tied, "engine": _llama_engine, "mixtral": _mixtral}
 
 
@@ -139,11 +148,39 @@ def _plan(i):
     return evaluate(model=_spec(model), training=training, zero=_zero(i), n_gpus=N)
 
 
+def _lora(j):
+    from zeroplan.specs.finetune import FineTune, LoraSpec
+
+    return FineTune(method="lora", lora=LoraSpec(r=4, targets=LORA_CASES[j][1]))
+
+
+def _lora_zero(j):
+    from zeroplan.specs.deepspeed_config import load_ds_config
+
+    return load_ds_config({"zero_optimization": {"stage": 3, **LORA_CASES[j][0]}}, world_size=N).zero
+
+
+def _lora_plan(j):
+    from zeroplan.core.finetune import finetune_views
+    from zeroplan.core.plan import evaluate
+    from zeroplan.specs.training import TrainingSetup, get_precision
+
+    prec = get_precision("bf16")
+    training = TrainingSetup(precision=prec, micro_batch=1, seq_len=SEQ, grad_accum=1, optimizer_impl="torch-single",
+                             checkpointing="full")
+    spec = _spec("engine")
+    return evaluate(model=spec, training=training, zero=_lora_zero(j), n_gpus=N, gpus_per_node=N,
+                    finetune=finetune_views(spec, _lora(j), compute_bytes=prec.param_bytes))
+
+
 def _deepspeed():
     if "ds" not in _CACHE:
         runs = [{"ds_config": _ds_config(i), "precision": CASES[i][2], "grad_accum": CASES[i][3],
                  "micro_batch": CASES[i][4], "spec": _spec(CASES[i][0]), "checkpointing": CASES[i][5]}
                 for i in range(len(CASES))]
+        runs += [{"ds_config": {"zero_optimization": {"stage": 3, **k}}, "precision": "bf16", "grad_accum": 1,
+                  "micro_batch": 1, "spec": _spec("engine"), "checkpointing": "full", "finetune": _lora(j)}
+                 for j, (k, _) in enumerate(LORA_CASES)]
         _CACHE["ds"] = dse.run_deepspeed_matrix(_spec("gpt2"), runs, nproc=N, steps=2, warmup=2, seq_len=SEQ)
     return _CACHE["ds"]
 
@@ -169,6 +206,11 @@ def _runtime():
                     for i in ids]
             groups.append((_spec(model), runs))
             index.append(ids)
+        groups.append((_spec("engine"), [
+            {"zero": _lora_zero(j), "precision": "bf16", "micro_batch": 1, "seq_len": SEQ, "grad_accum": 1,
+             "warmup": 2, "steps": 2, "comm_model": "deepspeed", "seed": 0, "checkpointing": "full",
+             "finetune": _lora(j)} for j in range(len(LORA_CASES))]))
+        index.append([("lora", j) for j in range(len(LORA_CASES))])
         _preload_dispatch()
         per_rank = spawn(_measure, N, args=(groups,), timeout_s=600)
         _CACHE["rt"] = {i: [per_rank[r][g][k] for r in range(N)]
@@ -300,3 +342,31 @@ def test_full_checkpointing_gathers_in_deepspeeds_order():
         for step in _deepspeed()[i][0].records_by_step:
             got = [(r.phase, r.buffer_bytes) for r in step if r.op == "all_gather" and r.phase != "step"]
             assert got == want, _case_id(i)
+
+
+def _phase_totals(records):
+    return _by_phase((r.op, r.phase, r.buffer_bytes, 1) for r in records)
+
+
+@needs_ds
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("j", range(len(LORA_CASES)))
+def test_lora_full_checkpointing_runtime_equals_deepspeed(j):
+    """LoRA under full checkpointing: the bundled runtime holds the frozen weights a recomputation
+    fetches for the running backward module, as DeepSpeed does, and issues DeepSpeed's collectives
+    per phase (without the hold torch's checkpoint finds a released frozen weight: CheckpointError).
+    With no prefetch the ledger issues them too; with a partial prefetch its LoRA forward is one
+    prefetch off already without checkpointing (not this replay's)."""
+    ds = _deepspeed()[len(CASES) + j]
+    rt = _runtime()[("lora", j)]
+    for rank, res in zip(ds, rt):
+        assert rank.failure is None, rank.failure.message
+        assert "oom" not in res and res["steady"], res.get("oom")
+        runtime = {tuple(k.split("/")): [v["count"], v["bytes"]] for k, v in res["collectives"].items()}
+        for step in rank.records_by_step:
+            assert _phase_totals(step) == runtime
+    if LORA_CASES[j][0]["stage3_prefetch_bucket_size"] == 0:
+        plan = _lora_plan(j)
+        ledger = _by_phase((e.op, e.phase, e.buffer_bytes, e.count) for e in plan.comm.collectives)
+        assert _phase_totals(ds[0].records_by_step[-1]) == ledger

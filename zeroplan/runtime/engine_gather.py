@@ -9,7 +9,8 @@ step, or read again within max_reuse_distance elements of the trace (decided onc
 step id, as DeepSpeed's lru_cache does). A tied head reads the embedding's weight (``_source``), so
 the weight is gathered for it as for the embedding. Under full checkpointing the recomputed layer
 calls its modules again inside backward, so these hooks fetch, record and release for it as
-DeepSpeed's do (measured equal: tests/test_deepspeed_tied.py). Also gradient arrival and the bucketed reduce-scatter (a mixin of
+DeepSpeed's do, and a frozen parameter it fetches is held for the backward site that is running
+(``update_recompute_parameters``) (measured equal: tests/test_deepspeed_tied.py). Also gradient arrival and the bucketed reduce-scatter (a mixin of
 ``engine_stage3.Stage3Strategy``)."""
 
 from __future__ import annotations

@@ -119,15 +119,15 @@ def _search_point(sw: _Sweep, s: int, point: tuple, mbs: list[int], ckpts: list[
         if s not in out.leanest or p < out.leanest[s][0]:
             limit = None if p <= lim.usable_gpu and host_ok else ("gpu" if p > lim.usable_gpu else "host")
             out.leanest[s] = (p, _candidate(s, point, st, lim.gpu_mem, min_mb, lean_ckpt, p, limit is None, limit), st)
-    led = None
     for ckpt in ckpts:
+        led = None  # stage 3's ledger depends on full checkpointing (the recomputation's gathers)
         for mb in mbs:
             out.searched += 1
             p = sw.peak(st, mb, ckpt)
             if p > lim.usable_gpu or not host_ok or not nvme_fits:
                 break  # larger micro-batches only need more
             if led is None:
-                led = sw.ledger(st)
+                led = sw.ledger(st, ckpt)
             t = sw.time(led, mb, ckpt)
             c = _candidate(s, point, st, lim.gpu_mem, mb, ckpt, p, True, None)
             c.step_time_s = t.step_time_s

@@ -139,13 +139,15 @@ class _Family:
         return self._mem_direct(point)
 
     # -- ledger --
-    def _led_direct(self, point: tuple) -> tuple:
-        if point not in self._led:
+    def _led_direct(self, point: tuple, recompute: bool = False) -> tuple:
+        """``recompute``: full checkpointing (stage 3 gathers again for the recomputed layers)."""
+        if (point, recompute) not in self._led:
             self.direct_ledgers += 1
             zero = self.sw.zero(self.stage, point)
             lay, train = ledger_layouts(self.sw.layout(zero), self.sw.train_layout(zero), self.stage)
             ft = self.sw.inp.finetune
-            led = build_ledger(lay, self.sw.inp.training, zero, gpus_per_node=self.sw.gpn,
+            training = self.sw.inp.training.model_copy(update={"checkpointing": "full" if recompute else "none"})
+            led = build_ledger(lay, training, zero, gpus_per_node=self.sw.gpn,
                                comm_model=self.sw.comm_model, train_layout=train,
                                no_backward=ft.no_backward if ft is not None else frozenset())  # as core/plan.py
             calls = Counter()
@@ -155,14 +157,14 @@ class _Family:
                 calls[k] += e.count
                 proto[k] = e
             pcie = Counter((p.direction, p.what, p.bytes_per_step, p.source) for p in led.pcie)
-            self._led[point] = (calls, pcie, proto)
-        return self._led[point]
+            self._led[(point, recompute)] = (calls, pcie, proto)
+        return self._led[(point, recompute)]
 
-    def _led_composed(self, point: tuple) -> tuple:
-        calls0, pcie0, proto0 = self._led_direct(self.base)
+    def _led_composed(self, point: tuple, recompute: bool) -> tuple:
+        calls0, pcie0, proto0 = self._led_direct(self.base, recompute)
         calls, pcie, proto = Counter(calls0), Counter(pcie0), dict(proto0)
         for q in self._singles(point):
-            c, p, pr = self._led_direct(q)
+            c, p, pr = self._led_direct(q, recompute)
             calls.update(c)
             calls.subtract(calls0)
             pcie.update(p)
@@ -172,17 +174,17 @@ class _Family:
             return None  # type: ignore[return-value]
         return (+calls, +pcie, proto)
 
-    def ledger(self, point: tuple) -> tuple:
-        if point in self._led:
-            return self._led[point]
+    def ledger(self, point: tuple, recompute: bool = False) -> tuple:
+        if (point, recompute) in self._led:
+            return self._led[(point, recompute)]
         if self.led_ok is None:
-            comp = self._led_composed(self.corner)
-            self.led_ok = comp is not None and comp[:2] == self._led_direct(self.corner)[:2]
+            comp = self._led_composed(self.corner, recompute)
+            self.led_ok = comp is not None and comp[:2] == self._led_direct(self.corner, recompute)[:2]
         if self.led_ok and len(self._singles(point)) > 1:
-            comp = self._led_composed(point)
+            comp = self._led_composed(point, recompute)
             if comp is not None:
                 return comp
-        return self._led_direct(point)
+        return self._led_direct(point, recompute)
 
 
 class _Sweep:
@@ -283,9 +285,11 @@ class _Sweep:
                                         step_transient=step_transient, held_by_phase=held)
         return reserved + int(o["cuda_context_bytes"]) + int(o["nccl_bytes"]) * s.communicators
 
-    def ledger(self, s: _State) -> Any:
-        """The state's collective ledger (independent of micro-batch and checkpointing), for estimate_time."""
-        calls, pcie, proto = self.families[s.stage].ledger(s.key)
+    def ledger(self, s: _State, ckpt: str = "none") -> Any:
+        """The state's collective ledger for estimate_time: independent of the micro-batch, and of
+        checkpointing but in stage 3, where full checkpointing gathers again for the recomputed layers
+        (core/stage3_fetch.py ``micro_step_events``)."""
+        calls, pcie, proto = self.families[s.stage].ledger(s.key, s.stage == 3 and ckpt == "full")
         entries = []
         for k, count in calls.items():
             e = proto[k]

@@ -108,7 +108,8 @@ def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, 
 
     ``runs``: [{"ds_config": path | JSON text | dict, "precision"?: str, "micro_batch"?: int,
     "grad_accum"?: int, "finetune"?: FineTune (LoRA adapters + frozen base, runtime/lora.py),
-    "spec"?: a ModelSpec for this run instead of ``spec`` (several models in one launch)},
+    "spec"?: a ModelSpec for this run instead of ``spec`` (several models in one launch),
+    "checkpointing"?: "none" | "full" (the runtime model's layers under ``torch.utils.checkpoint``)},
     ...]; every config is validated before anything starts. Returns, per
     run, one ``DeepSpeedRankResult`` per rank (a failed run has ``failure`` set on its ranks).
     """
@@ -124,7 +125,8 @@ def run_deepspeed_matrix(spec, runs: list[dict], *, nproc: int, steps: int = 2, 
                                              hidden_size=getattr(run_spec, "hidden_size", None), device=dev)
         jobs.append({"name": f"run{i}", "ds_config": cfg, "precision": prec, "steps": warmup + steps,
                      "seq_len": seq_len, "spec": run_spec, "adamw": adamw, "memory_step": warmup + steps - 1,
-                     "device": dev, "memory_from_step": warmup, "finetune": run.get("finetune")})
+                     "device": dev, "memory_from_step": warmup, "finetune": run.get("finetune"),
+                     "checkpointing": run.get("checkpointing", "none")})
     if not deepspeed_available():
         raise InputError("--engine deepspeed: DeepSpeed is not installed; install it with "
                          "DS_BUILD_OPS=0 pip install 'zeroplan[deepspeed]'")

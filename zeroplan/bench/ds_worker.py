@@ -30,14 +30,16 @@ def _disable_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_ccl_comm"] = False
 
 
-def _build_model(spec, finetune=None):
+def _build_model(spec, finetune=None, checkpointing="none"):
     """``zeroplan.runtime.model.build_model`` in fp32 on CPU (DeepSpeed casts to bf16/fp16 itself),
     with ``finetune``'s LoRA adapters and frozen base (``zeroplan.runtime.lora.apply_finetune``:
-    PEFT's adapter names and ``requires_grad``) when one is given."""
+    PEFT's adapter names and ``requires_grad``) when one is given; ``checkpointing`` "full": every
+    layer recomputed in backward by ``torch.utils.checkpoint`` as transformers does it
+    (runtime/model_forward.py), not by ``deepspeed.checkpointing``."""
     from zeroplan.runtime.lora import apply_finetune
     from zeroplan.runtime.model import build_model
 
-    return apply_finetune(build_model(spec, "fp32", "cpu", seed=0), spec, finetune)
+    return apply_finetune(build_model(spec, "fp32", "cpu", seed=0, checkpointing=checkpointing), spec, finetune)
 
 
 def _start_engine(job: dict, rec: _Recorder, cfg: dict) -> tuple:
@@ -50,7 +52,7 @@ def _start_engine(job: dict, rec: _Recorder, cfg: dict) -> tuple:
     torch.manual_seed(1234)
     rec.enabled = False
     rec.phase, rec.step, rec.micro = "init", -1, -1
-    model = _build_model(job["spec"], job.get("finetune"))
+    model = _build_model(job["spec"], job.get("finetune"), job.get("checkpointing", "none"))
     tensors = []
     seen = set()
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -13,12 +13,14 @@ Two flavours (``comm_model``):
   overflow flag and a 4-byte norm all-reduce; stage 3 gathers parameters as DeepSpeed's
   parameter coordinator does (core/stage3_fetch.py: fetch, prefetch within
   ``stage3_prefetch_bucket_size`` / ``stage3_max_live_parameters``, release unless reused within
-  ``stage3_max_reuse_distance``; a tied head gathers the embedding's weight), reduce-scatters
+  ``stage3_max_reuse_distance``; a tied head gathers the embedding's weight; under full
+  checkpointing the recomputed layers fetch again inside backward), reduce-scatters
   gradient buckets every micro-step, and after the step gathers each persistent parameter and
   all-reduces an 8-byte norm.
 - ``paper`` — the ZeRO paper: stages 1–2 reduce-scatter (in partition-aligned buckets of
   ``reduce_bucket_size // N`` elements per rank) + all-gather (2Ψ), stage 3
-  gathers in forward and again in backward for every module (3Ψ).
+  gathers in forward and again in backward for every module (3Ψ: a tied weight and a recomputed
+  layer's weights are gathered once a pass, as the runtime's paper flavour issues them).
 Both use the same padded layout (core/layout.py). ZeRO++ (stage 3): qwZ gathers int8
 weights plus fp32 block scales, hpZ re-gathers in backward inside the node from a
 secondary partition, qgZ replaces the gradient reduce-scatter by an int4 hierarchical
@@ -27,12 +29,13 @@ all-to-all (intra-node then inter-node) when there is more than one node.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
 from zeroplan.core.layout import Layout, ceil_div, greedy_buckets_after
-from zeroplan.core.stage3_fetch import FetchUnit, stage3_gathers
+from zeroplan.core.stage3_fetch import stage3_gathers
 from zeroplan.specs.collectives import sent_bytes
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.training import TrainingSetup
@@ -158,7 +161,7 @@ def build_ledger(
     elif zero.stage in (1, 2):
         _stages12(B, layout, training, zero, ds)
     else:
-        _stage3_gathers(B, layout, training, zero, ds, no_backward, notes)
+        _stage3_gathers(B, layout, tl, training, zero, ds, no_backward, notes)
         _stage3_reduce_and_step(B, layout, tl, training, zero, ds)
     cpu_params, nvme_bytes = offload_costs(tl, training, zero)
     by_op, total, inter = _totals(B)
@@ -223,7 +226,7 @@ def _stages12(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroCo
         B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
 
 
-def _stage3_gathers(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroConfig, ds: bool,
+def _stage3_gathers(B: _Builder, layout: Layout, tl: Layout, training: TrainingSetup, zero: ZeroConfig, ds: bool,
                     no_backward: frozenset[str], notes: list[str]) -> None:
     """Stage 3's parameter all-gathers in forward and backward (ZeRO++ qwZ / hpZ variants).
 
@@ -235,19 +238,22 @@ def _stage3_gathers(B: _Builder, layout: Layout, training: TrainingSetup, zero: 
     hpz = zero.zero_hpz_partition_size or 1  # 0 and 1 both mean no secondary partition
     if ds:
         pset = {t.name for t in layout.persistent_tensors}
-        units = [FetchUnit(u.name, u.params, u.grad_input, u.name not in no_backward) for u in layout.units]
+        trained = {t.name for t in tl.tensors}  # with frozen weights: the trainable ones (train_layout)
+        units = [replace(u, backward=u.name not in no_backward) for u in layout.units]
         gathers = stage3_gathers([t.numel for t in layout.tensors], [layout.padded(t.numel) for t in layout.tensors],
                                  [t.name in pset for t in layout.tensors], units,
                                  max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
-                                 max_reuse=zero.max_reuse_distance, grad_accum=gas)
-        calls = [(g.phase, g.elements, g.params, count) for g, count in gathers]
+                                 max_reuse=zero.max_reuse_distance, grad_accum=gas,
+                                 recompute_layers=training.checkpointing == "full",
+                                 frozen=[t.name not in trained for t in layout.tensors])
+        calls = [(g.phase, g.elements, g.params, g.recompute, count) for g, count in gathers]
         if len(calls) == 1 and calls[0][0] == "forward" and calls[0][2] == len(layout.tensors) - len(pset):
             notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
     else:  # the paper: every parameter gathered once in forward and once in backward (a tied one too)
         mods = [m for m in layout.modules if m.gathered > 0]
-        calls = [("forward", m.gathered, m.n_gathered, gas) for m in mods] + [
-            ("backward", m.gathered, m.n_gathered, gas) for m in reversed(mods) if m.name not in no_backward]
-    for phase, size, nparams, count in calls:
+        calls = [("forward", m.gathered, m.n_gathered, False, gas) for m in mods] + [
+            ("backward", m.gathered, m.n_gathered, False, gas) for m in reversed(mods) if m.name not in no_backward]
+    for phase, size, nparams, recompute, count in calls:
         if phase == "backward" and hpz > 1:
             # groups of min(hpz, world) consecutive ranks (DeepSpeed 0.19.8 utils/groups.py::
             # _create_zero_param_parallel_group): larger than a node, the gather crosses the NICs
@@ -260,8 +266,8 @@ def _stage3_gathers(B: _Builder, layout: Layout, training: TrainingSetup, zero: 
                   count, "int8", True)
         else:
             what = "parameters" if nparams > 1 else "module parameters"
-            B.add("all_gather", phase, what if phase == "forward" else f"{what} re-gathered", size * b_p, count, pdt,
-                  True)
+            what = what if phase == "forward" else f"{what} re-gathered" + (" (layer recomputed)" if recompute else "")
+            B.add("all_gather", phase, what, size * b_p, count, pdt, True)
 
 
 def _stage3_reduce_and_step(B: _Builder, layout: Layout, tl: Layout, training: TrainingSetup, zero: ZeroConfig,

@@ -354,15 +354,21 @@ _ID_INPUT_ROLES = ("embed", "pos_embed")
 
 def _fetch_units(spec: ModelSpec, tensors: list[Tensor]) -> list[FetchUnit]:
     """One unit per spec module in spec (call) order: its own tensors plus the ones it reads through a
-    tie (a tied lm head reads the embedding's parameter)."""
+    tie (a tied lm head reads the embedding's parameter); its layer (what full checkpointing
+    recomputes) and whether it is an MoE expert's."""
     index = {t.name: i for i, t in enumerate(tensors)}
     order: list[str] = []
     params: dict[str, list[int]] = {}
     ids_input: set[str] = set()
+    layer: dict[str, int | None] = {}
+    expert: set[str] = set()
     for t in spec.tensors:
         if t.module not in params:
             order.append(t.module)
             params[t.module] = []
+            layer[t.module] = t.layer
+        if t.expert is not None:
+            expert.add(t.module)
         i = index.get(t.tied_to if t.tied_to is not None else t.name)
         if i is not None and i not in params[t.module]:
             params[t.module].append(i)
@@ -372,7 +378,8 @@ def _fetch_units(spec: ModelSpec, tensors: list[Tensor]) -> list[FetchUnit]:
         if t.module not in params:
             order.append(t.module)
             params[t.module] = [i]
-    return [FetchUnit(m, tuple(sorted(params[m])), grad_input=m not in ids_input) for m in order if params[m]]
+    return [FetchUnit(m, tuple(sorted(params[m])), grad_input=m not in ids_input, layer=layer.get(m),
+                      expert=m in expert) for m in order if params[m]]
 
 
 def zero_layout(spec: ModelSpec, n: int, zero: ZeroConfig) -> Layout:

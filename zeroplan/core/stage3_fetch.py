@@ -32,7 +32,11 @@ ledger carries the calls DeepSpeed issues, tied weights included:
   parameter is released (``release_and_reset_all``) and the persistent ones re-gathered.
 
 The trace is the spec's module order: the runtime model and HF implementations call the modules
-in that order (measured, DS 0.19.8: tests/test_deepspeed_tied.py).
+in that order (measured, DS 0.19.8: tests/test_deepspeed_tied.py). Under full activation
+checkpointing (``torch.utils.checkpoint``, non-reentrant as transformers 5.x calls it) the
+recomputed forward inside the backward fires the module hooks again, so its fetches are trace
+entries too, in the order autograd runs them (``micro_step_events``; measured on GPT-2, Llama and
+Mixtral layers, call for call in order).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class FetchUnit:
     params: tuple[int, ...]
     grad_input: bool = True  # its input needs a gradient: the post-backward release runs
     backward: bool = True  # its output needs a gradient: fetched again in backward
+    layer: int | None = None  # the transformer layer it belongs to (what full checkpointing recomputes)
+    expert: bool = False  # an MoE expert's module (its layer ends in tensor-saving routing ops)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class Gather:
     params: int
     unit: str
     prefetch: bool
+    recompute: bool = False  # issued by a module's fetch while its layer is recomputed in backward
 
 
 @dataclass
@@ -72,18 +79,22 @@ class _Coordinator:
     numel: list[int]
     padded: list[int]
     persistent: list[bool]
-    trace: list[int]  # unit index per step id; -1 = the root (no parameters)
+    events: list[tuple[str, int, str, bool]]  # micro_step_events: (fetch | release, unit, phase, recompute)
     units: list[FetchUnit]
     max_live: int
     prefetch_bucket: int
     max_reuse: int
     available: set[int] = field(default_factory=set)
     inflight: set[int] = field(default_factory=set)
+    frozen: list[bool] = field(default_factory=list)  # requires_grad False (a fine-tuning's frozen base)
+    backward_units: dict[int, None] = field(default_factory=dict)  # __active_backward_submodules, in order
+    attributed: dict[int, set[int]] = field(default_factory=dict)  # ds_recompute_parameters per unit
     active: dict[int, set[int]] = field(default_factory=dict)
     cache: dict[tuple[int, int], frozenset[int]] = field(default_factory=dict)
     gathers: list[Gather] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.trace = [u for kind, u, _, _ in self.events if kind == "fetch"]  # unit per step id; -1 = the root
         self.uses: list[list[int]] = [[] for _ in self.numel]  # trace entries reading each parameter
         self.cum = [0]  # elements of the trace before each entry (DeepSpeed's params_traversed)
         for sid, u in enumerate(self.trace):
@@ -104,7 +115,7 @@ class _Coordinator:
         self.step_id = 0
         self.n_available = 0
 
-    def _gather(self, ps: list[int], phase: str, unit: str, prefetch: bool) -> None:
+    def _gather(self, ps: list[int], phase: str, unit: str, prefetch: bool, recompute: bool) -> None:
         """``__all_gather_params``: one coalesced call for the NOT_AVAILABLE ones."""
         todo = [p for p in ps if p not in self.available]
         if not todo:
@@ -113,16 +124,26 @@ class _Coordinator:
         self.available.update(todo)
         if prefetch:
             self.inflight.update(todo)
-        self.gathers.append(Gather(phase, sum(self.padded[p] for p in todo), len(todo), unit, prefetch))
+        self.gathers.append(Gather(phase, sum(self.padded[p] for p in todo), len(todo), unit, prefetch, recompute))
 
-    def fetch(self, u: int, phase: str) -> None:
+    def fetch(self, u: int, phase: str, recompute: bool = False) -> None:
         """``fetch_sub_module`` / ``_fetch_sub_module_impl`` with a complete trace."""
         ps = self.params_of(u)
         name = "(model)" if u < 0 else self.units[u].name
-        self._gather(list(ps), phase, name, False)
+        self._gather(list(ps), phase, name, False, recompute)
         for p in ps:
             self.active.setdefault(p, set()).add(u)
             self.inflight.discard(p)  # waited on
+        if phase == "backward" and not recompute:  # fetch_sub_module(forward=False)
+            self.backward_units.setdefault(u)
+        elif recompute and self.backward_units:
+            # a frozen parameter fetched by the recomputation is held for the backward module that
+            # is running (update_recompute_parameters): released with it, not after its forward
+            owner = next(reversed(self.backward_units))
+            for p in ps:
+                if self.frozen and self.frozen[p]:
+                    self.attributed.setdefault(owner, set()).add(p)
+                    self.active.setdefault(p, set()).add(owner)
         sid = self.step_id
         not_fetched = {p for p in ps if self.recent.get(p, _NEVER) < sid}
         popped = 0
@@ -141,7 +162,7 @@ class _Coordinator:
                     numel += self.numel[p]
                 self.recent[p] = max(self.recent.get(p, _NEVER), at)
             if numel > 0:
-                self._gather(chosen, phase, name, True)
+                self._gather(chosen, phase, name, True, recompute)
         self.step_id += 1
 
     def _to_release(self, u: int) -> frozenset[int]:
@@ -171,41 +192,40 @@ class _Coordinator:
             self.available.discard(p)
             self.n_available -= self.numel[p]
 
-    def release(self, u: int) -> None:
-        """``release_sub_module``."""
+    def release(self, u: int, backward: bool = False) -> None:
+        """``release_sub_module``; after a backward (``forward=False``) the unit also releases the
+        frozen parameters attributed to it by a recomputation, whatever the reuse distance."""
         rel = self._to_release(u)
-        for p in self.params_of(u):
+        ps = set(self.params_of(u))
+        if backward:
+            self.backward_units.pop(u, None)
+            extra = self.attributed.pop(u, set())
+            rel = rel | {p for p in extra if not self.persistent[p]}
+            ps |= extra
+        for p in sorted(ps):
             self.active.get(p, set()).discard(u)
             if p in rel:
                 self._release_param(p)
 
-    def leftovers(self, pending: list[int]) -> None:
-        """``release_backward_leftovers``: units whose post-backward hook never ran (LIFO)."""
-        for u in reversed(pending):
-            for p in self.params_of(u):
+    def leftovers(self) -> None:
+        """``release_backward_leftovers``: backward units whose post-backward hook never ran (LIFO)."""
+        while self.backward_units:
+            u = next(reversed(self.backward_units))
+            del self.backward_units[u]
+            for p in sorted(set(self.params_of(u)) | self.attributed.pop(u, set())):
                 self.active.get(p, set()).discard(u)
                 if not self.persistent[p]:
                     self._release_param(p)
 
     def micro_step(self) -> None:
-        """One forward and backward with a complete trace."""
+        """One forward and backward with a complete trace: the hooks' events in order."""
         self.reset_step()
-        self.fetch(-1, "forward")
-        for u in range(len(self.units)):
-            self.fetch(u, "forward")
-            self.release(u)
-        self.release(-1)
-        pending = [-1]
-        self.fetch(-1, "backward")
-        for u in range(len(self.units) - 1, -1, -1):
-            if not self.units[u].backward:
-                continue
-            self.fetch(u, "backward")
-            if self.units[u].grad_input:
-                self.release(u)
+        for kind, u, phase, recompute in self.events:
+            if kind == "fetch":
+                self.fetch(u, phase, recompute)
             else:
-                pending.append(u)
-        self.leftovers(pending)
+                self.release(u, backward=phase == "backward" and not recompute)
+        self.leftovers()
 
     def boundary(self) -> None:
         """``release_and_reset_all`` at the optimizer step, then the persistent parameters re-gathered."""
@@ -214,18 +234,78 @@ class _Coordinator:
         self.available = {p for p in range(len(self.numel)) if self.persistent[p]}
 
 
+def micro_step_events(units: list[FetchUnit], recompute_layers: bool = False) -> list[tuple[str, int, str, bool]]:
+    """One micro-step as parameter_offload.py's hooks drive the coordinator: (kind, unit, phase,
+    recompute) with kind ``fetch`` (``fetch_sub_module``) or ``release`` (``release_sub_module``);
+    unit -1 is the root. A unit fetched in backward whose post-backward release never runs (the
+    root, an embedding: no gradient reaches their input) is released at the end of backward
+    (``release_backward_leftovers``). Forward: the root, then each unit fetched and released (``_pre_forward_module_hook`` /
+    ``_post_forward_module_hook``). Backward: the root, then the units in reverse, each fetched by the
+    ``PreBackwardFunctionForModule`` on its output and released by the ``PostBackwardFunctionModule``
+    on its inputs.
+
+    ``recompute_layers`` (full checkpointing, torch.utils.checkpoint as transformers calls it): a
+    layer's forward runs again inside the backward, its module hooks fire, so each of its units is
+    fetched (``pre_sub_module_forward_function``: recorded in the trace, a step id of its own) and
+    released after its forward. When the recomputation runs is set by autograd: it starts at the
+    first backward node of the layer that unpacks a saved tensor (``_checkpoint_hook.unpack_hook``).
+    A dense layer ends in a residual add (nothing saved), so its last unit's pre-backward fetch runs
+    first; the recomputation then stops inside that unit's forward once the last tensor is saved
+    again (``_recomputation_hook``, early stop: ``_StopRecomputationError``), so that unit is not
+    released by the recomputation. An MoE layer ends in the routing's multiply and ``index_add``
+    (saved tensors): the whole layer is recomputed, every unit released, before any of its
+    backward fetches.
+    """
+    ev: list[tuple[str, int, str, bool]] = [("fetch", -1, "forward", False)]
+    for u in range(len(units)):
+        ev += [("fetch", u, "forward", False), ("release", u, "forward", False)]
+    ev += [("release", -1, "forward", False), ("fetch", -1, "backward", False)]
+    layers: dict[int, list[int]] = {}
+    for u, unit in enumerate(units):
+        if unit.layer is not None:
+            layers.setdefault(unit.layer, []).append(u)
+    done: set[int] = set()
+    for u in range(len(units) - 1, -1, -1):
+        unit = units[u]
+        if not unit.backward:
+            continue
+        lay = unit.layer
+        if recompute_layers and lay is not None and lay not in done:
+            done.add(lay)
+            members = layers[lay]
+            inside = u if u == members[-1] and not any(units[v].expert for v in members) else None
+            if inside is not None:
+                ev.append(("fetch", u, "backward", False))
+            for v in members:
+                ev.append(("fetch", v, "backward", True))
+                if v != inside:
+                    ev.append(("release", v, "backward", True))
+            if inside is None:
+                ev.append(("fetch", u, "backward", False))
+        else:
+            ev.append(("fetch", u, "backward", False))
+        if unit.grad_input:
+            ev.append(("release", u, "backward", False))
+    return ev
+
+
 def stage3_gathers(numel: list[int], padded: list[int], persistent: list[bool], units: list[FetchUnit], *,
                    max_live: int, prefetch_bucket: int, max_reuse: int,
-                   grad_accum: int) -> list[tuple[Gather, int]]:
+                   grad_accum: int, recompute_layers: bool = False,
+                   frozen: list[bool] | None = None) -> list[tuple[Gather, int]]:
     """The all-gathers of one steady optimizer step (``grad_accum`` micro-steps): (gather, calls).
 
-    A warm-up step runs first so that ``__params_to_release``'s cache holds what DeepSpeed's
-    first complete-trace micro-step put in it (the measured steps come after two warm-up steps).
-    A micro-step that starts from the state the previous one started from, and adds nothing to the
-    cache, repeats it exactly: the remaining micro-steps are counted, not replayed.
+    ``recompute_layers``: full activation checkpointing (``micro_step_events``); ``frozen``: per
+    parameter, no gradient (a frozen base: the recomputation's fetches of it are held for the running
+    backward unit, ``update_recompute_parameters``). A warm-up step
+    runs first so that ``__params_to_release``'s cache holds what DeepSpeed's first complete-trace
+    micro-step put in it (the measured steps come after two warm-up steps). A micro-step that
+    starts from the state the previous one started from, and adds nothing to the cache, repeats it
+    exactly: the remaining micro-steps are counted, not replayed.
     """
-    trace = [-1] + list(range(len(units))) + [-1] + [u for u in range(len(units) - 1, -1, -1) if units[u].backward]
-    c = _Coordinator(numel, padded, persistent, trace, units, max_live, prefetch_bucket, max_reuse)
+    events = micro_step_events(units, recompute_layers)
+    c = _Coordinator(numel, padded, persistent, events, units, max_live, prefetch_bucket, max_reuse,
+                     frozen=list(frozen or []))
     out: list[tuple[Gather, int]] = []
     for measured in (False, True):
         c.boundary()

@@ -7,7 +7,10 @@ prefetch_bucket_size); a module releases its parameters after its forward and, f
 inputs, after its backward, unless persistent, still used by another module, prefetched for a later
 step, or read again within max_reuse_distance elements of the trace (decided once per module and
 step id, as DeepSpeed's lru_cache does). A tied head reads the embedding's weight (``_source``), so
-the weight is gathered for it as for the embedding. Also gradient arrival and the bucketed reduce-scatter (a mixin of
+the weight is gathered for it as for the embedding. Under full checkpointing the recomputed layer
+calls its modules again inside backward, so these hooks fetch, record and release for it as
+DeepSpeed's do, and a frozen parameter it fetches is held for the backward site that is running
+(``update_recompute_parameters``) (measured equal: tests/test_deepspeed_tied.py). Also gradient arrival and the bucketed reduce-scatter (a mixin of
 ``engine_stage3.Stage3Strategy``)."""
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Stage3Gather:
         site = self.sites[id(mod)]
         self._fetch(site)
         torch = self.torch
+        if self.backward_sites and torch._C._current_graph_task_id() != -1:
+            self._hold_for_backward(site)
         if not torch.is_grad_enabled():
             return None
         # parameter_offload.py _post_backward_module_hook: a node on every input that needs a
@@ -68,7 +73,20 @@ class Stage3Gather:
     def _pre_backward(self, sites: tuple[int, ...]) -> None:
         with self.comm.in_phase("backward"):
             for site in sites:
+                self.backward_sites.setdefault(site)  # __active_backward_submodules
                 self._fetch(site)
+
+    def _hold_for_backward(self, site: int) -> None:
+        """A forward inside backward (full checkpointing's recomputation): the frozen parameters it
+        fetched are held for the backward site that is running and released with it
+        (``_fetch_sub_module_impl`` -> ``update_recompute_parameters``; torch saves a frozen
+        parameter itself, not a detached copy, so releasing it after the recomputed forward would
+        leave the backward an empty tensor)."""
+        owner = next(reversed(self.backward_sites))
+        for i in self.site_params[site]:
+            if not self.params[i].requires_grad:
+                self.attributed.setdefault(owner, set()).add(i)
+                self.active[i].add(owner)
 
     def _fetch(self, site: int) -> None:
         """``fetch_sub_module``: the site's unavailable parameters in one all-gather, then (complete
@@ -134,10 +152,17 @@ class Stage3Gather:
             self.release_cache[key] = out
         return self.release_cache[key]
 
-    def _release_site(self, site: int) -> None:
-        """``release_sub_module``."""
+    def _release_site(self, site: int, backward: bool = False) -> None:
+        """``release_sub_module``; after a backward also the frozen parameters a recomputation
+        attributed to the site, whatever the reuse distance."""
         rel = self._to_release(site)
-        for i in self.site_params[site]:
+        ps = set(self.site_params[site])
+        if backward:
+            self.backward_sites.pop(site, None)
+            extra = self.attributed.pop(site, set())
+            rel = rel | {i for i in extra if not self.persistent[i]}
+            ps |= extra
+        for i in sorted(ps):
             self.active[i].discard(site)
             if i in rel:
                 self._release_param(i)
@@ -193,6 +218,8 @@ class Stage3Gather:
     def _release(self, ps: list[int]) -> None:
         """Release ``ps`` whatever their state (the end of backward: ``release_backward_leftovers``;
         by then DeepSpeed has released every other gathered parameter)."""
+        self.backward_sites.clear()
+        self.attributed.clear()
         for i in ps:
             self.active[i].clear()
             self.inflight.discard(i)
@@ -267,7 +294,7 @@ def _make_post_backward():
         def backward(ctx, grad):  # type: ignore[override]
             ctx.counter[0] -= 1
             if ctx.counter[0] == 0:
-                ctx.engine._release_site(ctx.site)
+                ctx.engine._release_site(ctx.site, backward=True)
             return None, None, None, grad
 
     return PostBackward

@@ -105,6 +105,8 @@ class Stage3Strategy(Stage3Gather, GradHooks, StageStrategy):
         self.release_cache: dict[tuple[int, int], set[int]] = {}  # __params_to_release's lru_cache
         self.active: dict[int, set[int]] = {i: set() for i in range(len(self.params))}  # ds_active_sub_modules
         self.inflight: set[int] = set()  # prefetched, not yet waited on by a fetch
+        self.backward_sites: dict[int, None] = {}  # fetched in backward, not yet released (in order)
+        self.attributed: dict[int, set[int]] = {}  # frozen params a recomputation holds for a site
         self.queue: Any = None
         self.recent: dict[int, int] = {}  # __most_recent_step_id_param_fetched_for
         self.step_id = 0

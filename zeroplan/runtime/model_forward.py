@@ -121,6 +121,9 @@ def _forward(root: Any, torch: Any, F: Any, input_ids: Any) -> Any:
     if getattr(root, "checkpointing", "none") == "full":
         from torch.utils.checkpoint import checkpoint
 
+        # as transformers 5.x: PreTrainedModel._activation_checkpointing_enable defaults to
+        # {"use_reentrant": False} and GradientCheckpointingLayer checkpoints the layer's forward, so
+        # the modules inside it are called again (their ZeRO-3 hooks fire) when backward recomputes it
         for lay in root.plan_layers:
             x = checkpoint(_layer, root, lay, x, torch, F, use_reentrant=False)
     else:

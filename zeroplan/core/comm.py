@@ -35,7 +35,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from zeroplan.core.layout import Layout, ceil_div, greedy_buckets_after
-from zeroplan.core.stage3_fetch import stage3_gathers
+from zeroplan.core.stage3_fetch import FetchUnit, stage3_gathers
 from zeroplan.specs.collectives import sent_bytes
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.training import TrainingSetup
@@ -83,12 +83,16 @@ class CommLedger(BaseModel):
 
 
 class _Builder:
+    """Collects the ledger's calls; identical calls merge into one entry with a count. Counts are kept
+    in plain integers while building (a replayed stage-3 schedule adds ~1,400 calls per step) and
+    turned into ``LedgerEntry`` models once, in first-call order (``entries``)."""
+
     def __init__(self, n: int, gpus_per_node: int):
         self.n = n
         self.gpn = min(gpus_per_node, n)
         self.nodes = ceil_div(n, self.gpn)
-        self.entries: list[LedgerEntry] = []
-        self._index: dict[tuple, LedgerEntry] = {}
+        self._counts: dict[tuple, list[int]] = {}  # key -> [count, bytes sent per call], insertion-ordered
+        self._entries: list[LedgerEntry] | None = None
 
     def add(self, op: str, phase: str, what: str, buffer_bytes: int, count: int, dtype: str,
             overlap: bool, group: str = "all", group_size: int | None = None) -> None:
@@ -97,19 +101,22 @@ class _Builder:
         gs = self.n if group_size is None else group_size
         if gs <= 1:
             return
-        per = sent_bytes(op, buffer_bytes, gs)
         key = (op, phase, what, buffer_bytes, dtype, group, gs, overlap)
-        e = self._index.get(key)
-        if e is not None:  # merge identical calls
-            e.count += count
-            e.sent_bytes += count * per
-            return
-        e = LedgerEntry(
-            op=op, phase=phase, what=what, buffer_bytes=buffer_bytes, count=count, dtype=dtype,
-            group=group, group_size=gs, overlap=overlap, sent_bytes_per_call=per, sent_bytes=count * per,
-        )
-        self._index[key] = e
-        self.entries.append(e)
+        slot = self._counts.get(key)
+        if slot is None:
+            self._counts[key] = [count, sent_bytes(op, buffer_bytes, gs)]
+        else:  # merge identical calls
+            slot[0] += count
+        self._entries = None
+
+    @property
+    def entries(self) -> list[LedgerEntry]:
+        if self._entries is None:
+            self._entries = [
+                LedgerEntry(op=op, phase=phase, what=what, buffer_bytes=bb, count=c, dtype=dt, group=g, group_size=gs,
+                            overlap=ov, sent_bytes_per_call=per, sent_bytes=c * per)
+                for (op, phase, what, bb, dt, g, gs, ov), (c, per) in self._counts.items()]
+        return self._entries
 
     def buckets(self, op: str, phase: str, what: str, sizes: list[int], elem_bytes: int, count: int,
                 dtype: str, overlap: bool) -> None:
@@ -226,6 +233,23 @@ def _stages12(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroCo
         B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
 
 
+def _replay_inputs(layout: Layout, tl: Layout, no_backward: frozenset[str]) -> tuple[
+        tuple[int, ...], tuple[int, ...], tuple[bool, ...], tuple[FetchUnit, ...], tuple[bool, ...]]:
+    """What the coordinator replay reads of a layout: per tensor its numel, padded numel, persistence
+    and whether it is frozen (not in ``tl``, the trainable layout), and the fetch units with their
+    backward flag. Kept on the layout (``recommend``'s search plans one layout at many points)."""
+    key = (no_backward, tuple(t.name for t in tl.tensors))
+    cache = layout.__dict__.setdefault("_replay_inputs", {})
+    if key not in cache:
+        pset = {t.name for t in layout.persistent_tensors}
+        trained = set(key[1])
+        cache[key] = (tuple(t.numel for t in layout.tensors), tuple(layout.padded(t.numel) for t in layout.tensors),
+                      tuple(t.name in pset for t in layout.tensors),
+                      tuple(replace(u, backward=u.name not in no_backward) for u in layout.units),
+                      tuple(t.name not in trained for t in layout.tensors))
+    return cache[key]
+
+
 def _stage3_gathers(B: _Builder, layout: Layout, tl: Layout, training: TrainingSetup, zero: ZeroConfig, ds: bool,
                     no_backward: frozenset[str], notes: list[str]) -> None:
     """Stage 3's parameter all-gathers in forward and backward (ZeRO++ qwZ / hpZ variants).
@@ -237,17 +261,13 @@ def _stage3_gathers(B: _Builder, layout: Layout, tl: Layout, training: TrainingS
     qwz = zero.zero_quantized_weights
     hpz = zero.zero_hpz_partition_size or 1  # 0 and 1 both mean no secondary partition
     if ds:
-        pset = {t.name for t in layout.persistent_tensors}
-        trained = {t.name for t in tl.tensors}  # with frozen weights: the trainable ones (train_layout)
-        units = [replace(u, backward=u.name not in no_backward) for u in layout.units]
-        gathers = stage3_gathers([t.numel for t in layout.tensors], [layout.padded(t.numel) for t in layout.tensors],
-                                 [t.name in pset for t in layout.tensors], units,
+        numel, padded, persistent, units, frozen = _replay_inputs(layout, tl, no_backward)
+        gathers = stage3_gathers(numel, padded, persistent, units,
                                  max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
                                  max_reuse=zero.max_reuse_distance, grad_accum=gas,
-                                 recompute_layers=training.checkpointing == "full",
-                                 frozen=[t.name not in trained for t in layout.tensors])
+                                 recompute_layers=training.checkpointing == "full", frozen=frozen)
         calls = [(g.phase, g.elements, g.params, g.recompute, count) for g, count in gathers]
-        if len(calls) == 1 and calls[0][0] == "forward" and calls[0][2] == len(layout.tensors) - len(pset):
+        if len(calls) == 1 and calls[0][0] == "forward" and calls[0][2] == len(layout.tensors) - sum(persistent):
             notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
     else:  # the paper: every parameter gathered once in forward and once in backward (a tied one too)
         mods = [m for m in layout.modules if m.gathered > 0]

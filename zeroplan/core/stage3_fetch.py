@@ -44,6 +44,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 __all__ = ["FetchUnit", "Gather", "stage3_gathers"]
 
@@ -303,9 +304,20 @@ def stage3_gathers(numel: list[int], padded: list[int], persistent: list[bool], 
     starts from the state the previous one started from, and adds nothing to the cache, repeats it
     exactly: the remaining micro-steps are counted, not replayed.
     """
-    events = micro_step_events(units, recompute_layers)
-    c = _Coordinator(numel, padded, persistent, events, units, max_live, prefetch_bucket, max_reuse,
-                     frozen=list(frozen or []))
+    return list(_replayed(tuple(numel), tuple(padded), tuple(persistent), tuple(units), max_live, prefetch_bucket,
+                          max_reuse, grad_accum, recompute_layers, tuple(frozen or ())))
+
+
+@lru_cache(maxsize=64)
+def _replayed(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple[bool, ...],
+              units: tuple[FetchUnit, ...], max_live: int, prefetch_bucket: int, max_reuse: int, grad_accum: int,
+              recompute_layers: bool, frozen: tuple[bool, ...]) -> tuple[tuple[Gather, int], ...]:
+    """``stage3_gathers`` for hashable inputs, kept per process: ``recommend``'s search plans the same
+    model and stage-3 knobs at many micro-batches and bucket sizes, and the replay depends on none of
+    them (a replay of a 405B model takes about 0.1 s)."""
+    events = micro_step_events(list(units), recompute_layers)
+    c = _Coordinator(list(numel), list(padded), list(persistent), events, list(units), max_live, prefetch_bucket,
+                     max_reuse, frozen=list(frozen))
     out: list[tuple[Gather, int]] = []
     for measured in (False, True):
         c.boundary()
@@ -323,4 +335,4 @@ def stage3_gathers(numel: list[int], padded: list[int], persistent: list[bool], 
             last = (start,)
             if measured:
                 out.extend((g, 1) for g in c.gathers[mark:])
-    return out
+    return tuple(out)

@@ -207,7 +207,7 @@ class ActivationCheckpointingConfig(BaseModel):
     script must call itself (Megatron-LM's ``--deepspeed-activation-checkpointing`` does; transformers'
     gradient checkpointing uses torch.utils.checkpoint and ignores the block)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(defer_build=True, extra="ignore")
     partition_activations: bool = False  # split each checkpoint across the model-parallel ranks
     contiguous_memory_optimization: bool = False  # copy checkpoints into per-layer preallocated buffers
     cpu_checkpointing: bool = False  # keep the checkpoints in host memory (with partition_activations)

@@ -88,7 +88,7 @@ from typing import Any
 
 from zeroplan.runtime.engine_flat import Stage0Strategy
 from zeroplan.runtime.engine_frozen import split_frozen
-from zeroplan.runtime.engine_gather import _LazyPreBackward, _make_pre_backward, _PreBackward  # noqa: F401
+from zeroplan.runtime.engine_gather import _LazyFunction, _make_pre_backward, _PreBackward  # noqa: F401
 from zeroplan.runtime.engine_stage3 import Stage3Strategy
 from zeroplan.runtime.engine_stage12 import Stage1Strategy, Stage2Strategy
 from zeroplan.runtime.engine_strategy import StageStrategy

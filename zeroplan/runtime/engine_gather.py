@@ -320,25 +320,18 @@ def _make_pre_backward():
     return PreBackward
 
 
-class _LazyPreBackward:
-    _cls = None
+class _LazyFunction:
+    """An autograd Function built on first use (torch is imported only when stage 3 runs)."""
+
+    def __init__(self, make: Any) -> None:
+        self._make = make
+        self._cls: Any = None
 
     def apply(self, *args: Any) -> Any:
         if self._cls is None:
-            type(self)._cls = _make_pre_backward()
+            self._cls = self._make()
         return self._cls.apply(*args)
 
 
-_PreBackward = _LazyPreBackward()
-
-
-class _LazyPostBackward:
-    _cls = None
-
-    def apply(self, *args: Any) -> Any:
-        if self._cls is None:
-            type(self)._cls = _make_post_backward()
-        return self._cls.apply(*args)
-
-
-_PostBackward = _LazyPostBackward()
+_PreBackward = _LazyFunction(_make_pre_backward)
+_PostBackward = _LazyFunction(_make_post_backward)

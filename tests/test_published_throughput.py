@@ -110,8 +110,54 @@ def _report(name: str, cases: list[tuple[str, float, float]]) -> list[float]:
     return errs
 
 
+def _foundry_rest_case(r: dict[str, str]) -> float:
+    """A row of throughput_llm_foundry_rest.csv: MPT shapes as in _predict, ZeRO-2 for SHARD_GRAD_OP."""
+    spec = spec_from_config({"model_type": "gpt2", "n_embd": int(r["d_model"]), "n_head": int(r["n_heads"]),
+                             "n_layer": int(r["n_layers"]), "vocab_size": 50368, "n_positions": int(r["seq_len"]),
+                             "tie_word_embeddings": True}, f"mpt-{r['model']}", "published")
+    tr = TrainingSetup(precision=get_precision("bf16"), micro_batch=int(r["micro_batch"]), seq_len=int(r["seq_len"]),
+                       grad_accum=int(r["grad_accum"]), checkpointing=r["checkpointing"])
+    stage = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}[r["sharding"]]
+    n = int(r["n_gpus"])
+    return evaluate(model=spec, training=tr, zero=ZeroConfig(stage=stage), n_gpus=n,
+                    hardware=_hw(r["profile"])).tokens_per_s / n
+
+
+def _foundry_rest() -> dict[str, list[tuple[str, float, float]]]:
+    """The rest of llm-foundry's four bf16 tables, by table."""
+    out: dict[str, list[tuple[str, float, float]]] = {}
+    for r in _rows("throughput_llm_foundry_rest.csv"):
+        label = (f"{r['model']} seq {r['seq_len']} gpus {r['n_gpus']} mb {r['micro_batch']} {r['checkpointing']} "
+                 f"{r['sharding']}")
+        out.setdefault(f"llm-foundry-{r['table']}", []).append(
+            (label, _foundry_rest_case(r), float(r["tokens_per_s_per_gpu"])))
+    return out
+
+
+def test_llm_foundry_complete_tables():
+    """The llm-foundry rows not in the two hand-picked files: none of them set any constant of the model."""
+    rest = _foundry_rest()
+    assert sum(len(v) for v in rest.values()) == 165
+    meds = {}
+    for name, cases in rest.items():
+        errs = _report(name, cases)
+        meds[name] = statistics.median(abs(e) for e in errs)
+    allerr = [p / m - 1 for cases in rest.values() for _, p, m in cases]
+    med = statistics.median(abs(e) for e in allerr)
+    print(f"rest of llm-foundry's tables: {len(allerr)} rows, median |error| {med:.1%}")
+    assert med <= FOUNDRY_REST_MEDIAN_BOUND
+    # the two ZeRO-2 (SHARD_GRAD_OP) groups and the large-scale H100 table (128-512 GPUs) stay within 10%
+    assert meds["llm-foundry-h100-large"] <= 0.10
+
+
+# reached: 7.4% over the 165 rows (h100-large 8.1%, h100 9.5%, a100-80gb 7.2%, a100-40gb 7.2%); worst the MPT-125M
+# rows on A100 (+19% to +32%), where per-kernel overheads the model does not count dominate
+FOUNDRY_REST_MEDIAN_BOUND = 0.085
+
+
 def test_all_sources_throughput():
-    """Every source together: per-source and overall median |error| (goal <= 10% over >= 30 cases, >= 5 sources)."""
+    """Every source together: per-source and overall median |error| (goal <= 10% over >= 30 cases, >= 5 sources;
+    the cases come from 4 independent projects)."""
     errs: dict[str, list[float]] = {}
     hw = load_profile("dgx-h100")
     foundry = [(f"{r['model']} seq {r['seq_len']} gpus {r['n_gpus']} mb {r['micro_batch']} {r['checkpointing']}",
@@ -128,13 +174,31 @@ def test_all_sources_throughput():
     for src, cases in more.items():
         errs[src] = _report(src, cases)
     errs["zeropp-v100"] = _report("zeropp-v100", _zeropp_cases())
+    picked = [e for v in errs.values() for e in v]
+    picked_med = statistics.median(abs(e) for e in picked)
+    print(f"the 72 hand-picked cases: median |error| {picked_med:.1%}")
+    for name, cases in _foundry_rest().items():
+        errs[name] = [p / m - 1 for _, p, m in cases]
     allerr = [e for v in errs.values() for e in v]
     med = statistics.median(abs(e) for e in allerr)
-    print(f"all: {len(allerr)} cases from {len(errs)} sources, median |error| {med:.1%}")
-    assert len(allerr) >= 30
+    # one number per source, so that llm-foundry's many rows do not outweigh the others
+    by_source: dict[str, list[float]] = {}
+    for name, v in errs.items():
+        by_source.setdefault("llm-foundry" if name.startswith("llm-foundry") else name, []).extend(v)
+    src_meds = {k: statistics.median(abs(e) for e in v) for k, v in by_source.items()}
+    print("per source: " + ", ".join(f"{k} {v:.1%} ({len(by_source[k])})" for k, v in src_meds.items()))
+    print(f"all: {len(allerr)} cases from {len(by_source)} sources, median |error| {med:.1%}; "
+          f"median of the per-source medians {statistics.median(src_meds.values()):.1%}")
+    # four independent projects: llm-foundry's H100 and A100 tables are one source here (they were counted as two)
+    assert len(allerr) >= 30 and len(by_source) >= 4
     assert med <= ALL_SOURCES_MEDIAN_BOUND
+    assert picked_med <= PICKED_MEDIAN_BOUND
 
 
-# reached: 10.4% over 72 cases (56 FSDP cases on A100/H100: 8.9%; 16 ZeRO-3 V100 cases: 40.8%, 46.8% before the
-# ledger counted the gathers of full checkpointing's recomputation)
-ALL_SOURCES_MEDIAN_BOUND = 0.11
+# reached: 8.0% over all 237 cases (median of the four sources' medians: 6.5%; the 72 hand-picked cases: 10.4%; the
+# 165 rows added with the rest of llm-foundry's tables were fitted by no constant; the Ampere matmul fraction cites
+# the A100 table's MFU range in general, the Hopper one a row of the hand-picked file)
+# earlier figures (the 72 hand-picked ones: 10.4%; 56 FSDP cases on A100/H100: 8.9%; 16 ZeRO-3 V100
+# cases: 40.8%, 46.8% before the ledger counted the gathers of full checkpointing's recomputation)
+ALL_SOURCES_MEDIAN_BOUND = 0.09
+PICKED_MEDIAN_BOUND = 0.11

@@ -11,9 +11,10 @@ and offload its config file sets, so it has no ``--stage``/``--offload-*``/``--d
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import sys
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, List, Optional, TypeVar, get_type_hints
 
 import typer
 from typing_extensions import Annotated
@@ -29,7 +30,7 @@ __all__ = [
     "Headroom", "CommModel", "OptimizerImpl", "Activations", "Mfu", "Strict", "Lenient", "Json",
     "Method", "LoraR", "LoraAlpha", "LoraTargets", "Dora", "ModulesToSave", "Trainable", "QuantBits", "DoubleQuant",
     "QuantStorage", "AccelerateConfig", "HfArgs", "Axolotl", "LlamaFactory", "LoraRanks", "GlobalBatchTarget",
-    "parse_ranks",
+    "parse_ranks", "with_fine_tuning_options",
     "DEFAULT_HEADROOM", "DEFAULT_MFU", "DEFAULT_COMM_MODEL", "DEFAULT_TOP", "DEFAULT_FAIL_ON",
     "DEFAULT_MAX_COMM_SHARE", "DEFAULT_MAX_NODES",
 ]
@@ -210,6 +211,47 @@ def parse_ranks(value: str | None) -> list[int] | None:
 
 
 O = TypeVar("O", bound=CommonOptions)
+
+
+def _fine_tuning_options(
+    method: Method = None,
+    lora_r: LoraR = None,
+    lora_alpha: LoraAlpha = None,
+    lora_targets: LoraTargets = None,
+    dora: Dora = False,
+    modules_to_save: ModulesToSave = None,
+    trainable: Trainable = None,
+    quant_bits: QuantBits = None,
+    double_quant: DoubleQuant = True,
+    quant_storage: QuantStorage = None,
+    accelerate_config: AccelerateConfig = None,
+    hf_args: HfArgs = None,
+    axolotl: Axolotl = None,
+    llama_factory: LlamaFactory = None,
+) -> None:
+    """The fine-tuning flags every planning command offers, declared once (read by its signature only)."""
+
+
+def with_fine_tuning_options(fn: F) -> F:
+    """Add the fine-tuning flags of ``_fine_tuning_options`` to a command. ``fn`` takes them as
+    ``**fine_tuning``; typer reads the command's parameters from ``__signature__`` and
+    ``__annotations__``, so the flags are listed once here instead of in each command. They are
+    placed before a trailing ``json_out`` so ``--help`` keeps its order."""
+    own = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    hints = {**get_type_hints(fn, include_extras=True),
+             **get_type_hints(_fine_tuning_options, include_extras=True)}
+    added = [p.replace(annotation=hints[p.name])
+             for p in inspect.signature(_fine_tuning_options).parameters.values()]
+    own = [p.replace(annotation=hints[p.name]) for p in own]
+    cut = len(own) - 1 if own and own[-1].name == "json_out" else len(own)
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs: Any) -> Any:
+        return fn(**kwargs)
+
+    wrapper.__signature__ = inspect.Signature(own[:cut] + added + own[cut:])  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {k: v for k, v in hints.items() if k != "return"}
+    return wrapper  # type: ignore[return-value]
 
 
 def options_from(cls: type[O], params: dict[str, Any]) -> O:

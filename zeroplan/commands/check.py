@@ -8,9 +8,9 @@ import typer
 from typing_extensions import Annotated
 
 from zeroplan.commands._common import (
-    Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, DEFAULT_COMM_MODEL, DEFAULT_FAIL_ON, DEFAULT_HEADROOM, DEFAULT_MAX_COMM_SHARE, DEFAULT_MFU, Checkpointing,
+    DEFAULT_COMM_MODEL, DEFAULT_FAIL_ON, DEFAULT_HEADROOM, DEFAULT_MAX_COMM_SHARE, DEFAULT_MFU, Checkpointing,
     CommModel, FlashAttention, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, MicroBatch, Mfu, Model, Nodes,
-    Optimizer, Precision, SeqLen, console, handle_errors, options_from,
+    Optimizer, Precision, SeqLen, console, handle_errors, with_fine_tuning_options, options_from,
 )
 from zeroplan.options import FAIL_ON, CheckOptions
 
@@ -51,6 +51,7 @@ def render_check_text(con: Any, report: Any) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("check")
     @handle_errors
+    @with_fine_tuning_options
     def check_cmd(
         configs: Annotated[List[str], typer.Argument(
             metavar="CONFIG...", help="DeepSpeed config files or globs (quote globs: 'configs/**/*.json').")],
@@ -78,20 +79,6 @@ def register(app: typer.Typer) -> None:
         headroom: Headroom = DEFAULT_HEADROOM,
         min_headroom: Annotated[Optional[float], typer.Option(
             "--min-headroom", hidden=True, help="Old name of --headroom.")] = None,
-        method: Method = None,
-        lora_r: LoraR = None,
-        lora_alpha: LoraAlpha = None,
-        lora_targets: LoraTargets = None,
-        dora: Dora = False,
-        modules_to_save: ModulesToSave = None,
-        trainable: Trainable = None,
-        quant_bits: QuantBits = None,
-        double_quant: DoubleQuant = True,
-        quant_storage: QuantStorage = None,
-        accelerate_config: AccelerateConfig = None,
-        hf_args: HfArgs = None,
-        axolotl: Axolotl = None,
-        llama_factory: LlamaFactory = None,
         comm_model: CommModel = DEFAULT_COMM_MODEL,
         mfu: Mfu = DEFAULT_MFU,
         output: Annotated[Optional[str], typer.Option(
@@ -99,6 +86,7 @@ def register(app: typer.Typer) -> None:
             help="Write the report to this file (atomically); stdout gets a one-line verdict.")] = None,
         expand_globs: Annotated[bool, typer.Option(
             "--glob/--no-glob", help="Expand each CONFIG as a glob ('configs/**/*.json'); without it paths are literal.")] = False,
+        **fine_tuning: Any,
     ) -> None:
         """Gate DeepSpeed configs in CI: OOM, host RAM, NVMe, communication and stage/offload rules.
 
@@ -121,7 +109,7 @@ def register(app: typer.Typer) -> None:
             raise InputError(f"--fail-on {fail_on!r} is unknown; expected error or warning")
         if min_headroom is not None:
             headroom = min_headroom
-        report = check_api(configs, options_from(CheckOptions, locals()))
+        report = check_api(configs, options_from(CheckOptions, {**locals(), **fine_tuning}))
         if fmt == "text":
             if output is not None:
                 from io import StringIO

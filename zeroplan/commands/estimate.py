@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from zeroplan.commands._common import (
-    Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, OptionalModel,
+    OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
     Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer, OffloadParam, Optimizer,
-    Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
+    Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, with_fine_tuning_options, options_from, print_json,
 )
 from zeroplan.options import PlanOptions
 
@@ -18,6 +20,7 @@ __all__ = ["register"]
 def register(app: typer.Typer) -> None:
     @app.command("estimate")
     @handle_errors
+    @with_fine_tuning_options
     def estimate(
         model: OptionalModel = None,
         hardware: Hardware = None,
@@ -41,21 +44,8 @@ def register(app: typer.Typer) -> None:
         mfu: Mfu = DEFAULT_MFU,
         strict: Strict = False,
         lenient: Lenient = False,
-        method: Method = None,
-        lora_r: LoraR = None,
-        lora_alpha: LoraAlpha = None,
-        lora_targets: LoraTargets = None,
-        dora: Dora = False,
-        modules_to_save: ModulesToSave = None,
-        trainable: Trainable = None,
-        quant_bits: QuantBits = None,
-        double_quant: DoubleQuant = True,
-        quant_storage: QuantStorage = None,
-        accelerate_config: AccelerateConfig = None,
-        hf_args: HfArgs = None,
-        axolotl: Axolotl = None,
-        llama_factory: LlamaFactory = None,
         json_out: Json = False,
+        **fine_tuning: Any,
     ) -> None:
         """Per-GPU memory (by category and phase), host RAM, collectives and step time for ZeRO stages 0–3.
 
@@ -63,7 +53,7 @@ def register(app: typer.Typer) -> None:
         """
         from zeroplan.api import estimate as estimate_api
 
-        result = estimate_api(options_from(PlanOptions, locals()))
+        result = estimate_api(options_from(PlanOptions, {**locals(), **fine_tuning}))
         if json_out:
             print_json(result)
             return

@@ -18,10 +18,10 @@ from typing_extensions import Annotated
 
 from zeroplan._util import InputError, fmt_bytes
 from zeroplan.commands._common import (
-    Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, 
+    
     DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
     Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer, OffloadParam, OptionalModel, Optimizer,
-    Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
+    Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, with_fine_tuning_options, options_from, print_json,
 )
 from zeroplan.options import PlanOptions
 
@@ -118,6 +118,7 @@ def _render(result: Any) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("nccl-log")
     @handle_errors
+    @with_fine_tuning_options
     def nccl_log(
         file: Annotated[str, typer.Argument(
             metavar="FILE",
@@ -149,21 +150,8 @@ def register(app: typer.Typer) -> None:
         nranks: Annotated[Optional[int], typer.Option(
             "--nranks", metavar="N", show_default="the plan's GPUs",
             help="Compare only collectives on communicators of this size.")] = None,
-        method: Method = None,
-        lora_r: LoraR = None,
-        lora_alpha: LoraAlpha = None,
-        lora_targets: LoraTargets = None,
-        dora: Dora = False,
-        modules_to_save: ModulesToSave = None,
-        trainable: Trainable = None,
-        quant_bits: QuantBits = None,
-        double_quant: DoubleQuant = True,
-        quant_storage: QuantStorage = None,
-        accelerate_config: AccelerateConfig = None,
-        hf_args: HfArgs = None,
-        axolotl: Axolotl = None,
-        llama_factory: LlamaFactory = None,
         json_out: Json = False,
+        **fine_tuning: Any,
     ) -> None:
         """Summarise an NCCL debug log: version, ranks, rings/trees, transports, collectives, warnings.
 
@@ -173,7 +161,7 @@ def register(app: typer.Typer) -> None:
         """
         from zeroplan.api import read_nccl_log
 
-        params = locals()
+        params = {**locals(), **fine_tuning}
         plan = None
         if model is not None:
             plan = options_from(PlanOptions, params)

@@ -9,10 +9,10 @@ import typer
 from typing_extensions import Annotated
 
 from zeroplan.commands._common import (
-    Method, LoraR, LoraRanks, GlobalBatchTarget, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, OptionalModel,
+    LoraRanks, GlobalBatchTarget, OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, DEFAULT_TOP, Checkpointing, CommModel, DsConfig,
     FlashAttention, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, Json, Lenient, MicroBatch, Mfu, Nodes,
-    Optimizer, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from, print_json,
+    Optimizer, Precision, SeqLen, Stage, Strict, console, handle_errors, with_fine_tuning_options, options_from, print_json,
 )
 from zeroplan.options import RecommendOptions
 
@@ -157,23 +157,10 @@ def recommend_cmd(
         help="Write the chosen DeepSpeed config (JSON, atomically), with a zeroplan block recording the "
              "sequence length and checkpointing it assumes, so `zeroplan check` reads them back; and beside it "
              "(PATH.json -> PATH.peft.json) the PEFT, bitsandbytes and Trainer settings it assumes.")] = None,
-    method: Method = None,
-    lora_r: LoraR = None,
     lora_ranks: LoraRanks = None,
     global_batch: GlobalBatchTarget = None,
-    lora_alpha: LoraAlpha = None,
-    lora_targets: LoraTargets = None,
-    dora: Dora = False,
-    modules_to_save: ModulesToSave = None,
-    trainable: Trainable = None,
-    quant_bits: QuantBits = None,
-    double_quant: DoubleQuant = True,
-    quant_storage: QuantStorage = None,
-    accelerate_config: AccelerateConfig = None,
-    hf_args: HfArgs = None,
-    axolotl: Axolotl = None,
-    llama_factory: LlamaFactory = None,
     json_out: Json = False,
+    **fine_tuning: Any,
 ) -> None:
     """Which ZeRO stage, offload, micro-batch, checkpointing and buckets to use on this cluster, and why.
 
@@ -190,7 +177,7 @@ def recommend_cmd(
     for path in (emit_config, sidecar):
         validate_output_path(path, option="--emit-config",
                              inputs={"--ds-config": ds_config, "--hardware": hardware, "--model": model})
-    options = options_from(RecommendOptions, locals())
+    options = options_from(RecommendOptions, {**locals(), **fine_tuning})
     show_progress = not json_out and sys.stdout.isatty()
     prog_cb = None
     progress = None
@@ -227,4 +214,4 @@ def recommend_cmd(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("recommend")(handle_errors(recommend_cmd))
+    app.command("recommend")(handle_errors(with_fine_tuning_options(recommend_cmd)))

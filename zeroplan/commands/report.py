@@ -14,10 +14,10 @@ import typer
 from typing_extensions import Annotated
 
 from zeroplan.commands._common import (
-    Method, LoraR, LoraAlpha, LoraTargets, Dora, ModulesToSave, Trainable, QuantBits, DoubleQuant, QuantStorage, AccelerateConfig, HfArgs, Axolotl, LlamaFactory, OptionalModel,
+    OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_MAX_NODES, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention,
     GpusPerNode, GradAccum, Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer,
-    OffloadParam, Optimizer, Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, options_from,
+    OffloadParam, Optimizer, Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, with_fine_tuning_options, options_from,
     print_json,
 )
 from zeroplan.options import ReportOptions
@@ -80,21 +80,8 @@ def report(
         help="Write the per-GPU memory chart alone as an SVG file.")] = None,
     max_nodes: Annotated[int, typer.Option(
         "--max-nodes", metavar="N", help="Sweeps go to this many nodes (1, 2, 4, …).")] = DEFAULT_MAX_NODES,
-    method: Method = None,
-    lora_r: LoraR = None,
-    lora_alpha: LoraAlpha = None,
-    lora_targets: LoraTargets = None,
-    dora: Dora = False,
-    modules_to_save: ModulesToSave = None,
-    trainable: Trainable = None,
-    quant_bits: QuantBits = None,
-    double_quant: DoubleQuant = True,
-    quant_storage: QuantStorage = None,
-    accelerate_config: AccelerateConfig = None,
-    hf_args: HfArgs = None,
-    axolotl: Axolotl = None,
-    llama_factory: LlamaFactory = None,
     json_out: Json = False,
+    **fine_tuning: Any,
 ) -> None:
     """Charts: per-GPU memory by category vs GPU memory, compute vs communication, and sweeps over
     the number of GPUs and nodes — in the terminal, or as one self-contained HTML file.
@@ -107,7 +94,7 @@ def report(
     ins = {"--model": model, "--hardware": hardware, "--ds-config": ds_config}
     validate_output_path(html, option="--html", inputs=ins)
     validate_output_path(svg, option="--svg", inputs={**ins, "--html": html})
-    options = options_from(ReportOptions, locals())
+    options = options_from(ReportOptions, {**locals(), **fine_tuning})
     con = console()
     show_progress = not json_out and sys.stdout.isatty() and con.is_terminal
     if show_progress:
@@ -151,4 +138,4 @@ def report(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("report")(handle_errors(report))
+    app.command("report")(handle_errors(with_fine_tuning_options(report)))

@@ -26,8 +26,8 @@ checkpointing recomputes the attention core only.
 with it (what the GPU runs).
 
 Rate: matmuls at ``peak × gemm_fraction(generation) × shape factor``; attention at
-``peak × attention_fraction`` (FlashAttention kernels; without FlashAttention at a lower
-fraction); the element-wise and normalisation work, which is bound by memory bandwidth, at
+``peak × attention_fraction`` (FlashAttention kernels; without FlashAttention its matmuls at the
+matmul rate plus the score matrix streamed through HBM, ``eager_score_bytes``); the element-wise and normalisation work, which is bound by memory bandwidth, at
 ``HBM bandwidth × HBM_EFFICIENCY`` for a byte count per token and layer (below). The shape
 factor is m / (m + GEMM_HALF_DIM) for the smallest of (micro-batch × sequence, hidden size):
 small matmuls do not fill the GPU's tiles and waves. The per-generation fractions are the
@@ -43,10 +43,11 @@ from typing import Any
 from pydantic import BaseModel
 
 from zeroplan._util import InputError
+from zeroplan.core.activation_terms import dropout_flags
 from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
 from zeroplan.specs.training import TrainingSetup
 
-__all__ = ["ComputeEstimate", "GENERATIONS", "Generation", "flops_per_token", "gpu_generation", "estimate_compute",
+__all__ = ["ComputeEstimate", "GENERATIONS", "Generation", "eager_score_bytes", "flops_per_token", "gpu_generation", "estimate_compute",
            "peak_flops"]
 
 
@@ -167,6 +168,47 @@ class ComputeEstimate(BaseModel):
     backward_time_s: float = 0.0  # the backward pass, with the recomputation that runs inside it
 
 
+EAGER_NOTE = (" (no FlashAttention: its matmuls plus the score matrix streamed through HBM; transformers' eager "
+              "GPT-2 ran about 2x slower than this in flash-attention's published runs, so read it as a lower bound)")
+
+
+def eager_score_bytes(act_bytes: int, dropout: bool) -> tuple[int, int]:
+    """HBM bytes moved per element of the attention score matrix without FlashAttention (forward, backward).
+
+    transformers' eager path (``modeling_llama.eager_attention_forward`` and the models that copy it)
+    materialises the heads × s scores of every token and runs each step as its own kernel. With
+    a = activation bytes and the softmax in fp32 (``softmax(..., dtype=torch.float32)``):
+    - forward: Q·Kᵀ writes the scores (a); the scaling reads and writes them (2a); the mask add
+      reads and writes (2a); softmax reads a and writes 4; the cast back to the activation dtype
+      reads 4 and writes a (no cast when a is 4); P·V reads the probabilities (a);
+    - backward: P·V's backward writes dP (a) and reads P for dV (a); the cast's backward reads a and
+      writes 4; softmax's backward reads dP and its output (4 + 4) and writes a; the scaling's
+      backward reads and writes (2a); Q·Kᵀ's backward reads dS for dQ and again for dK (2a);
+    - attention dropout (p > 0, ``nn.functional.dropout``): forward reads a, writes a and a 1-byte
+      mask; backward reads a and the mask and writes a.
+    """
+    a = act_bytes
+    cast = a + 4 if a < 4 else 0
+    fwd = a + 2 * a + 2 * a + (a + 4) + cast + a
+    bwd = a + a + cast + (4 + 4 + a) + 2 * a + 2 * a
+    if dropout:
+        fwd, bwd = fwd + 2 * a + 1, bwd + 2 * a + 1
+    return fwd, bwd
+
+
+def _eager_attention_time_s(model: Any, training: TrainingSetup, hw: Any, tokens: int, t_matmul_s: float) -> float:
+    """Attention core without FlashAttention: its two matmuls at the matmul rate plus the score traffic.
+
+    Every token has heads × s scores per layer (the eager path computes the masked upper half too and
+    overwrites it), streamed at the element-wise rate; recomputation (full or selective
+    checkpointing) streams the forward's share again."""
+    attn_dropout, _ = dropout_flags(model)
+    fwd_b, bwd_b = eager_score_bytes(training.precision.activation_bytes, attn_dropout)
+    passes = fwd_b + bwd_b + (fwd_b if training.checkpointing in ("full", "selective") else 0)
+    elements = model.num_attention_heads * training.seq_len * model.num_layers * tokens
+    return t_matmul_s + elements * passes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
+
+
 def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float | None = None,
                      work: MatmulWork = FULL_TRAINING) -> ComputeEstimate:
     """Compute time for ``grad_accum`` micro-steps of ``micro_batch × seq_len`` tokens on one GPU;
@@ -202,14 +244,17 @@ def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float
     m_tokens = training.micro_batch * training.seq_len
     small = min(m_tokens, model.hidden_size)
     shape = small / (small + GEMM_HALF_DIM)
-    att_frac = gen.attention_fraction * (1.0 if training.flash_attention else 0.5)
     t_mm = (fwd_mm + bwd_mm + re_mm) / (peak * gen.gemm_fraction * shape)
     # Known gap (issue 13, not applied): FlashAttention's benchmark (Dao-AILab/flash-attention
     # benchmarks/benchmark_flash_attention.py, flops()) counts a causal forward as half the square
     # and the backward as 2.5 forwards, so the cited rates imply ~0.58x this time for causal models.
     # Applying that alone moves the 56 published FSDP cases from 8.8% to 12.7% median |error|: the
     # matmul fractions were set against this count and must be re-derived with it.
-    t_att = (3 * fwd_att + re_att) / (peak * att_frac)
+    if training.flash_attention:
+        t_att = (3 * fwd_att + re_att) / (peak * gen.attention_fraction)
+    else:
+        t_att = _eager_attention_time_s(model, training, hw, tokens, (3 * fwd_att + re_att) / (peak * gen.gemm_fraction))
+    att_frac = (3 * fwd_att + re_att) / (t_att * peak) if t_att > 0 else gen.attention_fraction
     ew_bytes = ELEMENTWISE_H_PER_TOKEN_LAYER * model.hidden_size * training.precision.activation_bytes \
         * f["layers"] * tokens * (4 / 3 if ck == "full" else 1.0)
     t_ew = ew_bytes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
@@ -219,6 +264,7 @@ def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float
         attention_share=3 * fwd_att / model_flops if model_flops else 0.0, peak_flops=peak,
         mfu=model_flops / (t * peak) if t > 0 else 0.0,
         source=f"compute model: {gen.name} matmuls at {gen.gemm_fraction:.2f} of peak × shape {shape:.2f}, "
-               f"attention at {att_frac:.2f}, element-wise at {HBM_EFFICIENCY:.0%} of HBM bandwidth ({gen.source})",
+               f"attention at {att_frac:.2f}{'' if training.flash_attention else EAGER_NOTE}, element-wise at "
+               f"{HBM_EFFICIENCY:.0%} of HBM bandwidth ({gen.source})",
         generation=gen.name, gemm_fraction=gen.gemm_fraction, attention_fraction=att_frac, shape_factor=shape,
         elementwise_time_s=t_ew, forward_time_s=t * fwd_share, backward_time_s=t * (1 - fwd_share))

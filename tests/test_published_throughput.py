@@ -3,7 +3,8 @@
 Prints the error per case and the median |error|; asserts the median it reaches today, so a
 change that makes the model worse fails. Goal (issue 13): median |error| <= 10% over >= 30
 cases from >= 5 sources. Sources: llm-foundry H100 and A100 tables (FSDP), torchtitan (FSDP2,
-A100), the IBM/PyTorch FSDP blog (A100 and H100), the ZeRO++ figures (DeepSpeed ZeRO-3, V100);
+A100), the IBM/PyTorch FSDP blog (A100 and H100), the ZeRO++ figures (DeepSpeed ZeRO-3, V100),
+flash-attention's training speeds (DDP/ZeRO-1, A100) and Lambda's (ZeRO-1, A100 and H100);
 tests/data/published/README.md describes each.
 """
 
@@ -157,9 +158,56 @@ def test_llm_foundry_complete_tables():
 FOUNDRY_REST_MEDIAN_BOUND = 0.085
 
 
+def _gpt_node_case(r: dict[str, str]) -> float:
+    """A row of throughput_flash_attention.csv: a GPT-2/GPT-3 shape on one node, DDP (stage 0) or ZeRO-1."""
+    cfg = {"model_type": "gpt2", "n_embd": int(r["d_model"]), "n_head": int(r["n_heads"]), "n_layer": int(r["n_layers"]),
+           "vocab_size": int(r["vocab_size"]), "n_positions": int(r["seq_len"]), "tie_word_embeddings": True}
+    p_drop = float(r["dropout"])
+    cfg.update(attn_pdrop=p_drop, resid_pdrop=p_drop, embd_pdrop=p_drop)
+    tr = TrainingSetup(precision=get_precision(r["precision"]), micro_batch=int(r["micro_batch"]),
+                       seq_len=int(r["seq_len"]), grad_accum=int(r["grad_accum"]), checkpointing="none",
+                       flash_attention=r["attention"] == "flash")
+    n = int(r["n_gpus"])
+    return evaluate(model=spec_from_config(cfg, r["model"], "published"), training=tr,
+                    zero=ZeroConfig(stage=int(r["stage"])), n_gpus=n, hardware=_hw(r["profile"])).tokens_per_s / n
+
+
+@functools.cache
+def _gpt_node() -> dict[str, list[tuple[str, float, float]]]:
+    """flash-attention's and Lambda's rows by source, then attention kernel (computed once; two tests read them)."""
+    out: dict[str, list[tuple[str, float, float]]] = {}
+    for r in _rows("throughput_flash_attention.csv"):
+        label = (f"{r['model']} seq {r['seq_len']} x{r['n_gpus']} mb {r['micro_batch']} {r['precision']} "
+                 f"stage {r['stage']} ({r['profile']})")
+        out.setdefault(f"{r['source']}/{r['attention']}", []).append(
+            (label, _gpt_node_case(r), float(r["tokens_per_s_per_gpu"])))
+    return out
+
+
+def test_flash_attention_and_lambda_tables():
+    """Two more projects, neither fitted: flash-attention's own GPT-2/GPT-3 speeds on 8 A100s (its FlashAttention
+    rows and transformers' eager baseline) and Lambda's GPT-3 2.7B on 1 and 8 A100s/H100s."""
+    groups = _gpt_node()
+    assert sum(len(v) for v in groups.values()) == 21
+    meds = {name: statistics.median(abs(e) for e in _report(name, cases)) for name, cases in groups.items()}
+    print(", ".join(f"{k} {v:.1%}" for k, v in meds.items()))
+    assert meds["flash-attention/flash"] <= FLASH_ATTENTION_MEDIAN_BOUND
+    assert meds["lambda/flash"] <= LAMBDA_MEDIAN_BOUND
+    # transformers' eager attention (the "Huggingface" bars): the score matrix's HBM traffic is counted
+    # (core/compute.py eager_score_bytes), yet zeroplan is still about 2x too fast there (see the README)
+    assert meds["flash-attention/eager"] <= EAGER_MEDIAN_BOUND
+
+
+# reached: flash-attention's FlashAttention rows 5.2% (9 rows, -2% to +10%); Lambda 19.2% (A100 +9%, +12%; H100 +27%,
+# +27%); transformers' eager rows 98.8% (+85% to +118%; before the score traffic was counted: +157% to +412%)
+FLASH_ATTENTION_MEDIAN_BOUND = 0.07
+LAMBDA_MEDIAN_BOUND = 0.21
+EAGER_MEDIAN_BOUND = 1.05
+
+
 def test_all_sources_throughput():
     """Every source together: per-source and overall median |error| (goal <= 10% over >= 30 cases, >= 5 sources;
-    the cases come from 4 independent projects)."""
+    the cases come from 6 independent projects)."""
     errs: dict[str, list[float]] = {}
     hw = load_profile("dgx-h100")
     foundry = [(f"{r['model']} seq {r['seq_len']} gpus {r['n_gpus']} mb {r['micro_batch']} {r['checkpointing']}",
@@ -181,26 +229,31 @@ def test_all_sources_throughput():
     print(f"the 72 hand-picked cases: median |error| {picked_med:.1%}")
     for name, cases in _foundry_rest().items():
         errs[name] = [p / m - 1 for _, p, m in cases]
+    for name, cases in _gpt_node().items():
+        errs[name] = [p / m - 1 for _, p, m in cases]
     allerr = [e for v in errs.values() for e in v]
     med = statistics.median(abs(e) for e in allerr)
     # one number per source, so that llm-foundry's many rows do not outweigh the others
     by_source: dict[str, list[float]] = {}
     for name, v in errs.items():
-        by_source.setdefault("llm-foundry" if name.startswith("llm-foundry") else name, []).extend(v)
+        by_source.setdefault("llm-foundry" if name.startswith("llm-foundry") else name.split("/")[0], []).extend(v)
     src_meds = {k: statistics.median(abs(e) for e in v) for k, v in by_source.items()}
     print("per source: " + ", ".join(f"{k} {v:.1%} ({len(by_source[k])})" for k, v in src_meds.items()))
     print(f"all: {len(allerr)} cases from {len(by_source)} sources, median |error| {med:.1%}; "
           f"median of the per-source medians {statistics.median(src_meds.values()):.1%}")
-    # four independent projects: llm-foundry's H100 and A100 tables are one source here (they were counted as two)
-    assert len(allerr) >= 30 and len(by_source) >= 4
+    # six independent projects: llm-foundry's H100 and A100 tables are one source here (they were counted as two)
+    assert len(allerr) >= 30 and len(by_source) >= 6
+    assert statistics.median(src_meds.values()) <= SOURCE_MEDIANS_BOUND
     assert med <= ALL_SOURCES_MEDIAN_BOUND
     assert picked_med <= PICKED_MEDIAN_BOUND
 
 
-# reached: 8.0% over all 237 cases (median of the four sources' medians: 6.5%; the 72 hand-picked cases: 10.4%; the
+# reached: 8.3% over all 258 cases from 6 sources (median of their medians 9.0%); before flash-attention's and
+# Lambda's tables: 8.0% over all 237 cases (median of the four sources' medians: 6.5%; the 72 hand-picked cases: 10.4%; the
 # 165 rows added with the rest of llm-foundry's tables were fitted by no constant; the Ampere matmul fraction cites
 # the A100 table's MFU range in general, the Hopper one a row of the hand-picked file)
 # earlier figures (the 72 hand-picked ones: 10.4%; 56 FSDP cases on A100/H100: 8.9%; 16 ZeRO-3 V100
 # cases: 40.8%, 46.8% before the ledger counted the gathers of full checkpointing's recomputation)
 ALL_SOURCES_MEDIAN_BOUND = 0.09
+SOURCE_MEDIANS_BOUND = 0.10
 PICKED_MEDIAN_BOUND = 0.11

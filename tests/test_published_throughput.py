@@ -199,10 +199,10 @@ def test_flash_attention_and_lambda_tables():
 
 
 # reached: flash-attention's FlashAttention rows 5.2% (9 rows, -2% to +10%); Lambda 19.2% (A100 +9%, +12%; H100 +27%,
-# +27%); transformers' eager rows 98.8% (+85% to +118%; before the score traffic was counted: +157% to +412%)
+# +27%); transformers' eager rows 88.9% (+68% to +115%; before the score traffic was counted: +157% to +412%)
 FLASH_ATTENTION_MEDIAN_BOUND = 0.07
 LAMBDA_MEDIAN_BOUND = 0.21
-EAGER_MEDIAN_BOUND = 1.05
+EAGER_MEDIAN_BOUND = 0.95
 
 
 def test_all_sources_throughput():

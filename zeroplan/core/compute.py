@@ -169,28 +169,41 @@ class ComputeEstimate(BaseModel):
 
 
 EAGER_NOTE = (" (no FlashAttention: its matmuls plus the score matrix streamed through HBM; transformers' eager "
-              "GPT-2 ran about 2x slower than this in flash-attention's published runs, so read it as a lower bound)")
+              "GPT-2 ran up to 2x slower than this in flash-attention's published runs, so read it as a lower bound)")
 
 
-def eager_score_bytes(act_bytes: int, dropout: bool) -> tuple[int, int]:
+def eager_score_bytes(precision: str, dropout: bool) -> tuple[int, int]:
     """HBM bytes moved per element of the attention score matrix without FlashAttention (forward, backward).
 
-    transformers' eager path (``modeling_llama.eager_attention_forward`` and the models that copy it)
-    materialises the heads × s scores of every token and runs each step as its own kernel. With
-    a = activation bytes and the softmax in fp32 (``softmax(..., dtype=torch.float32)``):
-    - forward: Q·Kᵀ writes the scores (a); the scaling reads and writes them (2a); the mask add
-      reads and writes (2a); softmax reads a and writes 4; the cast back to the activation dtype
-      reads 4 and writes a (no cast when a is 4); P·V reads the probabilities (a);
-    - backward: P·V's backward writes dP (a) and reads P for dV (a); the cast's backward reads a and
-      writes 4; softmax's backward reads dP and its output (4 + 4) and writes a; the scaling's
-      backward reads and writes (2a); Q·Kᵀ's backward reads dS for dQ and again for dK (2a);
-    - attention dropout (p > 0, ``nn.functional.dropout``): forward reads a, writes a and a 1-byte
+    transformers' eager path (``modeling_llama.eager_attention_forward`` and the models that copy it:
+    ``matmul(q, kᵀ) * scaling``, ``+ mask``, ``softmax(..., dtype=torch.float32).to(q.dtype)``,
+    ``dropout``, ``matmul(p, v)``) materialises the heads × s scores of every token, and each step is
+    its own kernel. With a = the activation bytes:
+    - forward: Q·Kᵀ writes the scores (a); the scaling reads and writes them (2a); the mask add reads
+      and writes them (2a; the mask itself, broadcast over heads, is not counted); the fp32 softmax
+      (below); the cast back reads 4 and writes a; P·V reads the probabilities (a);
+    - backward: dV's matmul reads P (a) and dP's writes dP (a); the cast's backward reads a, writes 4;
+      softmax's backward reads dP and its output (4 + 4) and writes its input's dtype; the scaling's
+      backward reads and writes (2a); dQ's and dK's matmuls read dS once each (2a);
+    - the fp32 softmax: ATen's ``softmax(input, dim, dtype)`` (aten/src/ATen/native/SoftMax.cpp) fuses
+      the upcast only for fp16 on CUDA (``_softmax(half_to_float=True)``: reads a, writes 4; its
+      backward writes a). Otherwise the input is cast first (reads a, writes 4), ``_softmax`` reads 4
+      and writes 4, and its backward writes 4, then the cast's backward reads 4 and writes a. fp32
+      training has no casts at all;
+    - attention dropout (p > 0; ``native_dropout`` on CUDA): forward reads a, writes a and a 1-byte
       mask; backward reads a and the mask and writes a.
+    tests/test_eager_attention_trace.py checks the bf16 and fp32 counts against the ATen kernels the
+    eager path runs (traced on CPU; the fused fp16 softmax exists on CUDA only).
     """
-    a = act_bytes
-    cast = a + 4 if a < 4 else 0
-    fwd = a + 2 * a + 2 * a + (a + 4) + cast + a
-    bwd = a + a + cast + (4 + 4 + a) + 2 * a + 2 * a
+    a = {"fp16": 2, "bf16": 2}.get(precision, 4)
+    fwd = a + 2 * a + 2 * a + a  # Q·Kᵀ write, scaling, mask add, P·V read
+    bwd = a + a + 2 * a + 2 * a  # dV's read of P, dP's write, the scaling's backward, dQ's and dK's reads
+    if a == 4:  # fp32: softmax reads and writes 4, its backward reads 4 + 4 and writes 4
+        fwd, bwd = fwd + 8, bwd + 12
+    elif precision == "fp16":  # fused upcast: softmax reads a, writes 4; backward writes a
+        fwd, bwd = fwd + (a + 4) + (4 + a), bwd + (a + 4) + (8 + a)
+    else:  # bf16: cast up, softmax in fp32, cast back; the same three backward
+        fwd, bwd = fwd + (a + 4) + 8 + (4 + a), bwd + (a + 4) + 12 + (4 + a)
     if dropout:
         fwd, bwd = fwd + 2 * a + 1, bwd + 2 * a + 1
     return fwd, bwd
@@ -203,7 +216,7 @@ def _eager_attention_time_s(model: Any, training: TrainingSetup, hw: Any, tokens
     overwrites it), streamed at the element-wise rate; recomputation (full or selective
     checkpointing) streams the forward's share again."""
     attn_dropout, _ = dropout_flags(model)
-    fwd_b, bwd_b = eager_score_bytes(training.precision.activation_bytes, attn_dropout)
+    fwd_b, bwd_b = eager_score_bytes(training.precision.name, attn_dropout)
     passes = fwd_b + bwd_b + (fwd_b if training.checkpointing in ("full", "selective") else 0)
     elements = model.num_attention_heads * training.seq_len * model.num_layers * tokens
     return t_matmul_s + elements * passes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)

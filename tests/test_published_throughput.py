@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import functools
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from zeroplan.core.plan import evaluate
@@ -125,16 +126,24 @@ def _foundry_rest_case(r: dict[str, str]) -> float:
                     hardware=_hw(r["profile"])).tokens_per_s / n
 
 
+Row = dict[str, str]
+
+
+def _grouped(name: str, group: Callable[[Row], str], label: Callable[[Row], str],
+             predict: Callable[[Row], float]) -> dict[str, list[tuple[str, float, float]]]:
+    """The rows of one data file as (label, zeroplan, measured) cases, by group."""
+    out: dict[str, list[tuple[str, float, float]]] = {}
+    for r in _rows(name):
+        out.setdefault(group(r), []).append((label(r), predict(r), float(r["tokens_per_s_per_gpu"])))
+    return out
+
+
 @functools.cache
 def _foundry_rest() -> dict[str, list[tuple[str, float, float]]]:
     """The rest of llm-foundry's four bf16 tables, by table (computed once: two tests read it, neither changes it)."""
-    out: dict[str, list[tuple[str, float, float]]] = {}
-    for r in _rows("throughput_llm_foundry_rest.csv"):
-        label = (f"{r['model']} seq {r['seq_len']} gpus {r['n_gpus']} mb {r['micro_batch']} {r['checkpointing']} "
-                 f"{r['sharding']}")
-        out.setdefault(f"llm-foundry-{r['table']}", []).append(
-            (label, _foundry_rest_case(r), float(r["tokens_per_s_per_gpu"])))
-    return out
+    return _grouped("throughput_llm_foundry_rest.csv", lambda r: f"llm-foundry-{r['table']}",
+                    lambda r: (f"{r['model']} seq {r['seq_len']} gpus {r['n_gpus']} mb {r['micro_batch']} "
+                               f"{r['checkpointing']} {r['sharding']}"), _foundry_rest_case)
 
 
 def test_llm_foundry_complete_tables():
@@ -175,13 +184,9 @@ def _gpt_node_case(r: dict[str, str]) -> float:
 @functools.cache
 def _gpt_node() -> dict[str, list[tuple[str, float, float]]]:
     """flash-attention's and Lambda's rows by source, then attention kernel (computed once; two tests read them)."""
-    out: dict[str, list[tuple[str, float, float]]] = {}
-    for r in _rows("throughput_flash_attention.csv"):
-        label = (f"{r['model']} seq {r['seq_len']} x{r['n_gpus']} mb {r['micro_batch']} {r['precision']} "
-                 f"stage {r['stage']} ({r['profile']})")
-        out.setdefault(f"{r['source']}/{r['attention']}", []).append(
-            (label, _gpt_node_case(r), float(r["tokens_per_s_per_gpu"])))
-    return out
+    return _grouped("throughput_flash_attention.csv", lambda r: f"{r['source']}/{r['attention']}",
+                    lambda r: (f"{r['model']} seq {r['seq_len']} x{r['n_gpus']} mb {r['micro_batch']} "
+                               f"{r['precision']} stage {r['stage']} ({r['profile']})"), _gpt_node_case)
 
 
 def test_flash_attention_and_lambda_tables():

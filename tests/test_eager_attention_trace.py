@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from zeroplan.core.compute import eager_score_bytes  # noqa: E402
+from zeroplan.specs.training import get_precision  # noqa: E402
 
 B, HEADS, S, D = 1, 4, 32, 8
 SCORES = B * HEADS * S * S
@@ -70,7 +71,7 @@ def test_eager_score_bytes_match_the_traced_kernels(precision, dtype):
         out, _ = llama.eager_attention_forward(module, q, k, v, mask, scaling=D ** -0.5, dropout=0.0)
         forward_bytes = trace.bytes
         out.float().sum().backward()
-    fwd, bwd = eager_score_bytes(precision, dropout=False)
+    fwd, bwd = eager_score_bytes(get_precision(precision), dropout=False)
     print(precision, trace.kernels)
     assert forward_bytes == fwd * SCORES
     assert trace.bytes - forward_bytes == bwd * SCORES

@@ -27,7 +27,8 @@ with it (what the GPU runs).
 
 Rate: matmuls at ``peak × gemm_fraction(generation) × shape factor``; attention at
 ``peak × attention_fraction`` (FlashAttention kernels; without FlashAttention its matmuls at the
-matmul rate plus the score matrix streamed through HBM, ``eager_score_bytes``); the element-wise and normalisation work, which is bound by memory bandwidth, at
+matmul rate plus the score matrix streamed through HBM, ``eager_score_bytes``); the element-wise
+and normalisation work, which is bound by memory bandwidth, at
 ``HBM bandwidth × HBM_EFFICIENCY`` for a byte count per token and layer (below). The shape
 factor is m / (m + GEMM_HALF_DIM) for the smallest of (micro-batch × sequence, hidden size):
 small matmuls do not fill the GPU's tiles and waves. The per-generation fractions are the
@@ -45,7 +46,7 @@ from pydantic import BaseModel
 from zeroplan._util import InputError
 from zeroplan.core.activation_terms import dropout_flags
 from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
-from zeroplan.specs.training import TrainingSetup
+from zeroplan.specs.training import PrecisionPreset, TrainingSetup
 
 __all__ = ["ComputeEstimate", "GENERATIONS", "Generation", "eager_score_bytes", "flops_per_token", "gpu_generation", "estimate_compute",
            "peak_flops"]
@@ -172,7 +173,7 @@ EAGER_NOTE = (" (no FlashAttention: its matmuls plus the score matrix streamed t
               "GPT-2 ran up to 2x slower than this in flash-attention's published runs, so read it as a lower bound)")
 
 
-def eager_score_bytes(precision: str, dropout: bool) -> tuple[int, int]:
+def eager_score_bytes(precision: PrecisionPreset, dropout: bool) -> tuple[int, int]:
     """HBM bytes moved per element of the attention score matrix without FlashAttention (forward, backward).
 
     transformers' eager path (``modeling_llama.eager_attention_forward`` and the models that copy it:
@@ -195,12 +196,12 @@ def eager_score_bytes(precision: str, dropout: bool) -> tuple[int, int]:
     tests/test_eager_attention_trace.py checks the bf16 and fp32 counts against the ATen kernels the
     eager path runs (traced on CPU; the fused fp16 softmax exists on CUDA only).
     """
-    a = {"fp16": 2, "bf16": 2}.get(precision, 4)
+    a = precision.activation_bytes
     fwd = a + 2 * a + 2 * a + a  # Q·Kᵀ write, scaling, mask add, P·V read
     bwd = a + a + 2 * a + 2 * a  # dV's read of P, dP's write, the scaling's backward, dQ's and dK's reads
     if a == 4:  # fp32: softmax reads and writes 4, its backward reads 4 + 4 and writes 4
         fwd, bwd = fwd + 8, bwd + 12
-    elif precision == "fp16":  # fused upcast: softmax reads a, writes 4; backward writes a
+    elif precision.name == "fp16":  # fused upcast: softmax reads a, writes 4; backward writes a
         fwd, bwd = fwd + (a + 4) + (4 + a), bwd + (a + 4) + (8 + a)
     else:  # bf16: cast up, softmax in fp32, cast back; the same three backward
         fwd, bwd = fwd + (a + 4) + 8 + (4 + a), bwd + (a + 4) + 12 + (4 + a)
@@ -216,7 +217,7 @@ def _eager_attention_time_s(model: Any, training: TrainingSetup, hw: Any, tokens
     overwrites it), streamed at the element-wise rate; recomputation (full or selective
     checkpointing) streams the forward's share again."""
     attn_dropout, _ = dropout_flags(model)
-    fwd_b, bwd_b = eager_score_bytes(training.precision.name, attn_dropout)
+    fwd_b, bwd_b = eager_score_bytes(training.precision, attn_dropout)
     passes = fwd_b + bwd_b + (fwd_b if training.checkpointing in ("full", "selective") else 0)
     elements = model.num_attention_heads * training.seq_len * model.num_layers * tokens
     return t_matmul_s + elements * passes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)

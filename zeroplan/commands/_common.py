@@ -30,7 +30,7 @@ __all__ = [
     "Headroom", "CommModel", "OptimizerImpl", "Activations", "Mfu", "Strict", "Lenient", "Json",
     "Method", "LoraR", "LoraAlpha", "LoraTargets", "Dora", "ModulesToSave", "Trainable", "QuantBits", "DoubleQuant",
     "QuantStorage", "AccelerateConfig", "HfArgs", "Axolotl", "LlamaFactory", "LoraRanks", "GlobalBatchTarget",
-    "parse_ranks", "with_fine_tuning_options",
+    "parse_ranks", "with_fine_tuning_options", "with_plan_options",
     "DEFAULT_HEADROOM", "DEFAULT_MFU", "DEFAULT_COMM_MODEL", "DEFAULT_TOP", "DEFAULT_FAIL_ON",
     "DEFAULT_MAX_COMM_SHARE", "DEFAULT_MAX_NODES",
 ]
@@ -232,18 +232,44 @@ def _fine_tuning_options(
     """The fine-tuning flags every planning command offers, declared once (read by its signature only)."""
 
 
-def with_fine_tuning_options(fn: F) -> F:
-    """Add the fine-tuning flags of ``_fine_tuning_options`` to a command. ``fn`` takes them as
-    ``**fine_tuning``; typer reads the command's parameters from ``__signature__`` and
-    ``__annotations__``, so the flags are listed once here instead of in each command. They are
-    placed before a trailing ``json_out`` so ``--help`` keeps its order."""
+def _plan_options(
+    model: OptionalModel = None,
+    hardware: Hardware = None,
+    gpus: Gpus = None,
+    nodes: Nodes = None,
+    gpus_per_node: GpusPerNode = None,
+    ds_config: DsConfig = None,
+    precision: Precision = None,
+    optimizer: Optimizer = None,
+    micro_batch: MicroBatch = None,
+    seq_len: SeqLen = None,
+    grad_accum: GradAccum = None,
+    checkpointing: Checkpointing = None,
+    flash_attention: FlashAttention = None,
+    offload_optimizer: OffloadOptimizer = None,
+    offload_param: OffloadParam = None,
+    optimizer_impl: OptimizerImpl = None,
+    activations: Activations = None,
+    stage: Stage = None,
+    comm_model: CommModel = DEFAULT_COMM_MODEL,
+    mfu: Mfu = DEFAULT_MFU,
+    strict: Strict = False,
+    lenient: Lenient = False,
+) -> None:
+    """The options of one plan, as ``estimate``, ``report`` and ``nccl-log`` offer them, declared once
+    (read by its signature only). ``recommend`` searches some of them and ``check`` reads others from
+    its config, so those two list their own."""
+
+
+def _with_options(fn: F, template: Callable[..., None], at: Callable[[list[inspect.Parameter]], int]) -> F:
+    """``fn`` with ``template``'s parameters inserted at index ``at(own parameters)``. ``fn`` takes
+    them through its ``**kwargs``; typer reads a command's parameters from ``__signature__`` and
+    ``__annotations__``, so a flag list is written once and each command's ``--help`` keeps its order."""
     own = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
-    hints = {**get_type_hints(fn, include_extras=True),
-             **get_type_hints(_fine_tuning_options, include_extras=True)}
-    added = [p.replace(annotation=hints[p.name])
-             for p in inspect.signature(_fine_tuning_options).parameters.values()]
+    hints = {**get_type_hints(fn, include_extras=True), **get_type_hints(template, include_extras=True)}
+    added = [p.replace(annotation=hints[p.name]) for p in inspect.signature(template).parameters.values()]
     own = [p.replace(annotation=hints[p.name]) for p in own]
-    cut = len(own) - 1 if own and own[-1].name == "json_out" else len(own)
+    cut = at(own)
 
     @functools.wraps(fn)
     def wrapper(**kwargs: Any) -> Any:
@@ -252,6 +278,19 @@ def with_fine_tuning_options(fn: F) -> F:
     wrapper.__signature__ = inspect.Signature(own[:cut] + added + own[cut:])  # type: ignore[attr-defined]
     wrapper.__annotations__ = {k: v for k, v in hints.items() if k != "return"}
     return wrapper  # type: ignore[return-value]
+
+
+def with_fine_tuning_options(fn: F) -> F:
+    """Add the fine-tuning flags of ``_fine_tuning_options``, before a trailing ``json_out``."""
+    return _with_options(fn, _fine_tuning_options,
+                         lambda own: len(own) - 1 if own and own[-1].name == "json_out" else len(own))
+
+
+def with_plan_options(fn: F) -> F:
+    """Add the plan's flags of ``_plan_options`` first, after the command's arguments (the
+    parameters without a default)."""
+    return _with_options(fn, _plan_options,
+                         lambda own: next((i for i, p in enumerate(own) if p.default is not p.empty), len(own)))
 
 
 def options_from(cls: type[O], params: dict[str, Any]) -> O:

@@ -18,10 +18,7 @@ from typing_extensions import Annotated
 
 from zeroplan._util import InputError, fmt_bytes
 from zeroplan.commands._common import (
-    
-    DEFAULT_COMM_MODEL, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention, GpusPerNode, GradAccum,
-    Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer, OffloadParam, OptionalModel, Optimizer,
-    Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, with_fine_tuning_options, options_from, print_json,
+    Json, console, handle_errors, options_from, print_json, with_fine_tuning_options, with_plan_options,
 )
 from zeroplan.options import PlanOptions
 
@@ -118,40 +115,19 @@ def _render(result: Any) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("nccl-log")
     @handle_errors
+    @with_plan_options
     @with_fine_tuning_options
     def nccl_log(
         file: Annotated[str, typer.Argument(
             metavar="FILE",
             help="A log written with NCCL_DEBUG=INFO (add NCCL_DEBUG_SUBSYS=INIT,COLL to see every collective).")],
-        model: OptionalModel = None,
-        hardware: Hardware = None,
-        gpus: Gpus = None,
-        nodes: Nodes = None,
-        gpus_per_node: GpusPerNode = None,
-        ds_config: DsConfig = None,
-        precision: Precision = None,
-        optimizer: Optimizer = None,
-        micro_batch: MicroBatch = None,
-        seq_len: SeqLen = None,
-        grad_accum: GradAccum = None,
-        checkpointing: Checkpointing = None,
-        flash_attention: FlashAttention = None,
-        offload_optimizer: OffloadOptimizer = None,
-        offload_param: OffloadParam = None,
-        optimizer_impl: OptimizerImpl = None,
-        activations: Activations = None,
-        stage: Stage = None,
-        comm_model: CommModel = DEFAULT_COMM_MODEL,
-        mfu: Mfu = DEFAULT_MFU,
-        strict: Strict = False,
-        lenient: Lenient = False,
         steps: Annotated[int, typer.Option(
             "--steps", metavar="N", help="Optimizer steps the log covers (the ledger is per step).")] = 1,
         nranks: Annotated[Optional[int], typer.Option(
             "--nranks", metavar="N", show_default="the plan's GPUs",
             help="Compare only collectives on communicators of this size.")] = None,
         json_out: Json = False,
-        **fine_tuning: Any,
+        **options: Any,
     ) -> None:
         """Summarise an NCCL debug log: version, ranks, rings/trees, transports, collectives, warnings.
 
@@ -161,9 +137,9 @@ def register(app: typer.Typer) -> None:
         """
         from zeroplan.api import read_nccl_log
 
-        params = {**locals(), **fine_tuning}
+        params = {**locals(), **options}
         plan = None
-        if model is not None:
+        if params["model"] is not None:
             plan = options_from(PlanOptions, params)
         else:
             defaults = PlanOptions.model_fields

@@ -14,11 +14,8 @@ import typer
 from typing_extensions import Annotated
 
 from zeroplan.commands._common import (
-    OptionalModel,
-    DEFAULT_COMM_MODEL, DEFAULT_MAX_NODES, DEFAULT_MFU, Checkpointing, CommModel, DsConfig, FlashAttention,
-    GpusPerNode, GradAccum, Gpus, Hardware, Json, Lenient, MicroBatch, Mfu, Nodes, OffloadOptimizer,
-    OffloadParam, Optimizer, Activations, OptimizerImpl, Precision, SeqLen, Stage, Strict, console, handle_errors, with_fine_tuning_options, options_from,
-    print_json,
+    DEFAULT_MAX_NODES, Json, console, handle_errors, options_from, print_json, with_fine_tuning_options,
+    with_plan_options,
 )
 from zeroplan.options import ReportOptions
 
@@ -50,28 +47,6 @@ def _print_sweep_table(con: Any, data: dict[str, Any]) -> None:
 
 
 def report(
-    model: OptionalModel = None,
-    hardware: Hardware = None,
-    gpus: Gpus = None,
-    nodes: Nodes = None,
-    gpus_per_node: GpusPerNode = None,
-    ds_config: DsConfig = None,
-    precision: Precision = None,
-    optimizer: Optimizer = None,
-    micro_batch: MicroBatch = None,
-    seq_len: SeqLen = None,
-    grad_accum: GradAccum = None,
-    checkpointing: Checkpointing = None,
-    flash_attention: FlashAttention = None,
-    offload_optimizer: OffloadOptimizer = None,
-    offload_param: OffloadParam = None,
-    optimizer_impl: OptimizerImpl = None,
-    activations: Activations = None,
-    stage: Stage = None,
-    comm_model: CommModel = DEFAULT_COMM_MODEL,
-    mfu: Mfu = DEFAULT_MFU,
-    strict: Strict = False,
-    lenient: Lenient = False,
     html: Annotated[Optional[str], typer.Option(
         "--html", metavar="PATH", show_default="none",
         help="Write a self-contained HTML report (inline SVG charts, no network) to this path.")] = None,
@@ -81,7 +56,7 @@ def report(
     max_nodes: Annotated[int, typer.Option(
         "--max-nodes", metavar="N", help="Sweeps go to this many nodes (1, 2, 4, …).")] = DEFAULT_MAX_NODES,
     json_out: Json = False,
-    **fine_tuning: Any,
+    **options: Any,
 ) -> None:
     """Charts: per-GPU memory by category vs GPU memory, compute vs communication, and sweeps over
     the number of GPUs and nodes — in the terminal, or as one self-contained HTML file.
@@ -91,10 +66,10 @@ def report(
     from zeroplan._util import validate_output_path
     from zeroplan.api import build_report
 
-    ins = {"--model": model, "--hardware": hardware, "--ds-config": ds_config}
+    ins = {"--model": options["model"], "--hardware": options["hardware"], "--ds-config": options["ds_config"]}
     validate_output_path(html, option="--html", inputs=ins)
     validate_output_path(svg, option="--svg", inputs={**ins, "--html": html})
-    options = options_from(ReportOptions, {**locals(), **fine_tuning})
+    options = options_from(ReportOptions, {**locals(), **options})
     con = console()
     show_progress = not json_out and sys.stdout.isatty() and con.is_terminal
     if show_progress:
@@ -138,4 +113,4 @@ def report(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("report")(handle_errors(with_fine_tuning_options(report)))
+    app.command("report")(handle_errors(with_plan_options(with_fine_tuning_options(report))))

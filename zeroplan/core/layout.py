@@ -55,9 +55,17 @@ class Layout:
     tensors: list[Tensor]
     modules: list[Module] = field(default_factory=list)
     persistent_tensors: list[Tensor] = field(default_factory=list)
-    # stage 3's fetch units in call order, tied parameters included (core/stage3_fetch.py)
-    units: list[FetchUnit] = field(default_factory=list)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # a layout is never mutated
+    _spec: ModelSpec | None = field(default=None, repr=False, compare=False)  # what ``units`` is built from
+
+    @property
+    def units(self) -> list[FetchUnit]:
+        """Stage 3's fetch units in call order, tied parameters included (core/stage3_fetch.py). Built
+        on first use: only stage 3's DeepSpeed ledger reads them, and they cost as much as the rest of
+        the layout."""
+        if "units" not in self._memo:
+            self._memo["units"] = _fetch_units(self._spec, self.tensors) if self._spec is not None else []
+        return self._memo["units"]
 
     # stages 1-2
     @property
@@ -328,7 +336,7 @@ def build_layout(
                 used += t.numel
     pset = {t.name for t in persistent}
 
-    layout = Layout(params=spec.params, n=n, tensors=tensors, persistent_tensors=persistent)
+    layout = Layout(params=spec.params, n=n, tensors=tensors, persistent_tensors=persistent, _spec=spec)
     order: list[str] = []
     by_mod: dict[str, Module] = {}
     for t in tensors:
@@ -343,7 +351,6 @@ def build_layout(
             m.gathered += layout.padded(t.numel)
             m.n_gathered += 1
     layout.modules = [by_mod[k] for k in order]
-    layout.units = _fetch_units(spec, tensors)
     return layout
 
 

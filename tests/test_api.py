@@ -168,6 +168,21 @@ def test_nccl_log_takes_the_shared_planning_options():
     assert r.exit_code == 2 and "--optimizer needs --model" in r.output
 
 
+def test_estimate_report_and_nccl_log_offer_the_plan_options_in_one_order():
+    """The plan's flags are declared once (commands/_common.py ``_plan_options``) and --help lists them
+    in that order in every command that offers them all."""
+    import inspect
+
+    from zeroplan.commands._common import _plan_options
+
+    names = list(inspect.signature(_plan_options).parameters)
+    assert len(names) == 22
+    for command in ("estimate", "report", "nccl-log"):
+        assert [p.name for p in _params(command) if p.name in names] == names, command
+    # nccl-log's FILE argument stays first, before the options
+    assert _params("nccl-log")[0].name == "file"
+
+
 # ------------------------------------------------------------------ cheap import, no torch / rich
 def test_import_zeroplan_and_planning_imports_no_torch_rich_or_typer():
     code = ("import sys, zeroplan\n"

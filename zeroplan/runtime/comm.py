@@ -35,7 +35,19 @@ from zeroplan.runtime.comm_base import CommHandle, _BaseComm
 if TYPE_CHECKING:  # torch is imported lazily: runtime users have it, planners never load it
     import torch
 
-__all__ = ["InstrumentedComm", "LocalComm", "CommHandle"]  # CommHandle, _BaseComm: comm_base.py
+__all__ = ["InstrumentedComm", "LocalComm", "CommHandle", "all_gather_fn", "reduce_scatter_fn"]
+# CommHandle, _BaseComm: comm_base.py
+
+
+# torch >= 2.13 names the flat-tensor collectives *_single (the *_tensor names warn FutureWarning).
+def all_gather_fn(dist: Any) -> Any:
+    """torch.distributed's flat all-gather (output, input, group=, async_op=) for this torch."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_fn(dist: Any) -> Any:
+    """torch.distributed's flat reduce-scatter (output, input, op=, group=, async_op=) for this torch."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _reduce_op(op: str) -> Any:
@@ -72,9 +84,8 @@ class InstrumentedComm(_BaseComm):
             import torch
 
             self.use_cuda_events(torch.cuda.Event)
-        # torch >= 2.13 names them *_single (the *_tensor names warn FutureWarning).
-        self._rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        self._ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._rs = reduce_scatter_fn(dist)
+        self._ag = all_gather_fn(dist)
 
     @property
     def rank(self) -> int:

@@ -159,7 +159,9 @@ def _gather_json(value: Any, backend: str) -> list[Any]:
     world = dist.get_world_size()
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = torch.zeros(world, dtype=torch.int64, device=device)
-    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    from zeroplan.runtime.comm import all_gather_fn
+
+    ag = all_gather_fn(dist)
     ag(lengths, length)
     longest = int(lengths.max().item())
     buf = torch.zeros(longest, dtype=torch.uint8, device=device)

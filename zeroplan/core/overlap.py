@@ -15,7 +15,8 @@ core/compute.py) and the ledger's collectives of the phase timed one by one (cor
 - collectives without ``overlap`` (stage 0/1/2 without ``overlap_comm``, the step's
   all-gather of updated parameters, norms, flags, persistent parameters) are all exposed;
 - the comm that does hide slows the compute it runs beside: NCCL kernels take SMs and HBM
-  bandwidth (``OVERLAP_SLOWDOWN`` of the hidden time is added to compute).
+  bandwidth (``OVERLAP_SLOWDOWN`` of the hidden time is added to compute, or the profile's
+  ``node.overlap_slowdown`` measured by ``zeroplan bench overlap``; 1 means nothing hides).
 
 Best case: the same structure, no slowdown and the hidden part limited only by the total
 compute of the phase. Worst case: nothing overlaps. The estimate is the schedule.
@@ -23,9 +24,12 @@ compute of the phase. Worst case: nothing overlaps. The estimate is the schedule
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel
 
-__all__ = ["OverlapResult", "PhaseComm", "schedule_overlap", "OVERLAP_SLOWDOWN", "OVERLAP_SLOWDOWN_SOURCE"]
+__all__ = ["OverlapResult", "PhaseComm", "schedule_overlap", "overlap_slowdown", "OVERLAP_SLOWDOWN",
+           "OVERLAP_SLOWDOWN_SOURCE"]
 
 # Compute slowdown while a collective runs beside it, as a fraction of the hidden comm time.
 OVERLAP_SLOWDOWN = 0.15
@@ -33,6 +37,17 @@ OVERLAP_SLOWDOWN_SOURCE = (
     "GEMMs run 10-20% slower while an NCCL collective shares the GPU's SMs and HBM bandwidth "
     "(Pati et al., 'T3: Transparent Tracking & Triggering for Fine-grained Overlap of Compute & "
     "Collectives', ASPLOS 2024, arXiv:2401.16677, sec. 3: concurrent GEMM + reduce-scatter); 0.15 used")
+
+
+def overlap_slowdown(hw: Any) -> tuple[float, str]:
+    """The slowdown fraction to plan with and where it comes from: the profile's measured
+    ``node.overlap_slowdown`` (``zeroplan bench overlap --save-profile``) when it has one, else
+    ``OVERLAP_SLOWDOWN``. A cluster whose NCCL kernels serialise with compute measures 1."""
+    value = getattr(getattr(hw, "node", None), "overlap_slowdown", None)
+    if value is None:
+        return OVERLAP_SLOWDOWN, OVERLAP_SLOWDOWN_SOURCE
+    src = (getattr(hw, "sources", None) or {}).get("node.overlap_slowdown", "") or "the hardware profile"
+    return float(value), f"node.overlap_slowdown of profile {getattr(hw, 'name', '?')}: {src}"
 
 
 class PhaseComm(BaseModel):

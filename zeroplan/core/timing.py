@@ -30,7 +30,7 @@ from zeroplan.core.comm import CommLedger, LedgerEntry
 from zeroplan.core.compute import ComputeEstimate, estimate_compute, peak_flops
 from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
 from zeroplan.core.nccl_model import collective_choice
-from zeroplan.core.overlap import OVERLAP_SLOWDOWN, OVERLAP_SLOWDOWN_SOURCE, PhaseComm, schedule_overlap
+from zeroplan.core.overlap import OVERLAP_SLOWDOWN, PhaseComm, overlap_slowdown, schedule_overlap
 from zeroplan.specs.collectives import busbw_factor
 from zeroplan.specs.training import TrainingSetup
 
@@ -93,6 +93,7 @@ class TimeEstimate(BaseModel):
     nvme_time_s: float = 0.0  # NVMe swap (exposed)
     offload_time_s: float  # CPU optimizer + NVMe (exposed; 0 without offload)
     overlap_slowdown_s: float = 0.0  # compute lost while hidden comm shares the GPU
+    overlap_slowdown: float = OVERLAP_SLOWDOWN  # that loss as a fraction of the hidden comm time (core/overlap.py)
     hidden_comm_s: float = 0.0  # comm that runs behind compute in the estimate
     exposed_by_phase_s: dict[str, float] = Field(default_factory=dict)
     step_time_s: float
@@ -129,6 +130,18 @@ def _legacy_compute(active_params: int, training: TrainingSetup, hw: Any, mfu: f
                            mfu=rate, source=f"{per_param:g}Ψ per token at MFU {rate:g} (no architecture given)",
                            generation="unknown", forward_time_s=t * 2.0 / hard_per,
                            backward_time_s=t * (hard_per - 2.0) / hard_per)
+
+
+def _nvme_time_s(ledger: CommLedger, hw: Any, ranks_per_node: int) -> float:
+    """NVMe swap per step: the ledger's NVMe bytes at the node's NVMe bandwidth shared by its ranks."""
+    nvme_bytes = ledger.nvme_bytes_per_gpu_per_step + sum(p.bytes_per_step for p in ledger.pcie if p.source == "nvme")
+    if not nvme_bytes:
+        return 0.0
+    if not hw.node.nvme_bandwidth_GBps > 0:
+        raise InputError(f"hardware profile {getattr(hw, 'name', '?')}: node.nvme_bandwidth_GBps = "
+                         f"{hw.node.nvme_bandwidth_GBps} (no NVMe) but the plan offloads to NVMe")
+    nvme_bw = hw.node.nvme_bandwidth_GBps * 1e9 / max(1, ranks_per_node)
+    return nvme_bytes / nvme_bw if nvme_bw > 0 else 0.0
 
 
 def estimate_time(
@@ -177,7 +190,9 @@ def estimate_time(
         if first_gather[ph] is not None:
             phases[ph].first_s = min(phases[ph].overlappable_s * per_micro, first_gather[ph]) * gas
     phases["backward"].last_s = min(phases["backward"].overlappable_s * per_micro, last_bucket) * gas
-    ov = schedule_overlap(phases, {"forward": comp.forward_time_s, "backward": comp.backward_time_s})
+    slowdown, slowdown_src = overlap_slowdown(hw)
+    ov = schedule_overlap(phases, {"forward": comp.forward_time_s, "backward": comp.backward_time_s},
+                          slowdown=slowdown)
 
     pcie_bw = hw.node.pcie_bandwidth_GBps_per_gpu * 1e9
     pcie = sum(p.bytes_per_step for p in ledger.pcie) / pcie_bw if ledger.pcie else 0.0
@@ -188,17 +203,10 @@ def estimate_time(
         rate, rate_src = cpu_adam_rate(hw, min(gpus_per_node, n_gpus))
         cpu_opt = ledger.cpu_optimizer_params_per_gpu / rate
         assumptions.append(rate_src)
-    nvme = 0.0
-    nvme_bytes = ledger.nvme_bytes_per_gpu_per_step + sum(p.bytes_per_step for p in ledger.pcie if p.source == "nvme")
-    if nvme_bytes:
-        if not hw.node.nvme_bandwidth_GBps > 0:
-            raise InputError(f"hardware profile {getattr(hw, 'name', '?')}: node.nvme_bandwidth_GBps = "
-                             f"{hw.node.nvme_bandwidth_GBps} (no NVMe) but the plan offloads to NVMe")
-        nvme_bw = hw.node.nvme_bandwidth_GBps * 1e9 / max(1, min(gpus_per_node, n_gpus))
-        nvme = nvme_bytes / nvme_bw if nvme_bw > 0 else 0.0
+    nvme = _nvme_time_s(ledger, hw, min(gpus_per_node, n_gpus))
     if ov.hidden_s:
-        assumptions.append(f"overlap: hidden communication slows compute by {OVERLAP_SLOWDOWN:.0%} of its time "
-                           f"({OVERLAP_SLOWDOWN_SOURCE})")
+        assumptions.append(f"overlap: hidden communication slows compute by {slowdown:.0%} of its time "
+                           f"({slowdown_src})")
     off = pcie + cpu_opt + nvme
     step = compute + ov.slowdown_s + ov.exposed_s + off
     step_best = compute + ov.best_s + off
@@ -213,6 +221,7 @@ def estimate_time(
         nvme_time_s=nvme,
         offload_time_s=cpu_opt + nvme,
         overlap_slowdown_s=ov.slowdown_s,
+        overlap_slowdown=slowdown,
         hidden_comm_s=ov.hidden_s,
         exposed_by_phase_s=ov.by_phase_exposed_s,
         step_time_s=step,

@@ -48,10 +48,13 @@ _BOUNDS: dict[str, tuple[float, float, str, str, bool]] = {
     "overhead.nccl_bytes": (0, 16 * GiB, "0 to 16 GiB, in bytes", "bytes, not MiB or GiB?", True),
 }
 _NCCL_ALGORITHMS = ("ring", "tree", "nvls", "collnet")
+# path -> (zero allowed, highest, expected)
 _FRACTIONS = {
-    "intra_node.efficiency": (False, "a fraction in (0, 1], e.g. 0.8 for 80%"),
-    "inter_node.efficiency": (False, "a fraction in (0, 1], e.g. 0.8 for 80%"),
-    "overhead.fragmentation_fraction": (True, "a fraction in [0, 0.5] of the churned bytes, e.g. 0.36 for 36%"),
+    "intra_node.efficiency": (False, 1.0, "a fraction in (0, 1], e.g. 0.8 for 80%"),
+    "inter_node.efficiency": (False, 1.0, "a fraction in (0, 1], e.g. 0.8 for 80%"),
+    "overhead.fragmentation_fraction": (True, 0.5, "a fraction in [0, 0.5] of the churned bytes, e.g. 0.36 for 36%"),
+    "node.overlap_slowdown": (True, 1.0, "a fraction in [0, 1] of the hidden communication time (0 = hidden for "
+                                         "free, 1 = nothing hides), e.g. 0.15"),
 }
 
 
@@ -126,6 +129,8 @@ def _numeric_values(profile: HardwareProfile, w: str) -> dict[str, float]:
         values["node.cpu_cores"] = profile.node.cpu_cores
     if profile.node.cpu_adam_params_per_s_per_core is not None:
         values["node.cpu_adam_params_per_s_per_core"] = profile.node.cpu_adam_params_per_s_per_core
+    if profile.node.overlap_slowdown is not None:
+        values["node.overlap_slowdown"] = profile.node.overlap_slowdown
     if profile.intra_node.mesh_link_GBps is not None:
         values["intra_node.mesh_link_GBps"] = profile.intra_node.mesh_link_GBps
     if profile.inter_node.nics_per_node is not None:
@@ -187,8 +192,8 @@ def validate_profile(profile: HardwareProfile, where: str | None = None) -> Hard
                 msg = f"{w}: key {key} = {_fmt(v)} is outside the plausible range {span}"
                 raise InputError(msg + (f"; {hint}" if hint else ""))
         elif key in _FRACTIONS:
-            zero_ok, expected = _FRACTIONS[key]
-            ok = (0 <= v <= 0.5) if zero_ok else (0 < v <= 1)
+            zero_ok, high, expected = _FRACTIONS[key]
+            ok = (0 <= v <= high) if zero_ok else (0 < v <= high)
             if not ok:
                 raise InputError(f"{w}: key {key} = {_fmt(v)} is out of range; expected {expected}")
     # NVMe: both zero or both set.

@@ -39,6 +39,10 @@ class NodeSpec(_Strict):
     # DeepSpeedCPUAdam parameters updated per second per physical core (AVX-512/AVX2 build);
     # the CPU-optimizer step time with optimizer offload = partition / (rate × cores per rank)
     cpu_adam_params_per_s_per_core: float | None = None
+    # compute lost while communication runs hidden beside it, as a fraction of the hidden comm
+    # time: 0 = hidden for free, 1 = nothing hides (serialised). Measured by `zeroplan bench
+    # overlap`; None = the planner's default (core/overlap.py OVERLAP_SLOWDOWN)
+    overlap_slowdown: float | None = None
 
 
 class LinkSpec(_Strict):

@@ -166,11 +166,20 @@ def test_multi_gpu_checks_skip_on_one_gpu_and_compare_a_sweep():
 
     alpha, beta = 20e-6, 100e9
     fake = _report({s: alpha + s / beta for s in (1 << 20, 1 << 22, 1 << 24, 1 << 26)})
+    from zeroplan.bench.overlap import OverlapConfig, aggregate_overlap
+
+    one = {"hostname": "h", "local_rank": 0, "device": "H100", "gemms": 4, "gathered_bytes": 1 << 28,
+           "settings": {"hidden": 4096, "tokens": 4096, "size_bytes": 1 << 28, "dtype": "bfloat16"},
+           "compute_s": 0.010, "comm_s": 0.004, "both_s": 0.0112}
+    ov = aggregate_overlap([{**one, "rank": 0}, {**one, "rank": 1}], OverlapConfig(), backend="nccl",
+                           launcher="local")
     rows = multi_gpu_checks(2, load_profile(str(REPO / "hardware_profiles" / "dgx-h100.toml")),
-                            run=lambda cfg, **kw: fake)
+                            run=lambda cfg, **kw: fake, run_overlap_fn=lambda cfg, **kw: ov)
     bw = [r for r in rows if "α–β bandwidth" in r["figure"]][0]
     assert bw["measured"] == pytest.approx(beta / 1e9, rel=1e-6) and bw["predicted"] > 0
     assert sum(r["figure"].endswith("busbw") for r in rows) == 4
+    slow = [r for r in rows if r["figure"].startswith("overlap slowdown")][0]
+    assert slow["predicted"] == 0.15 and slow["measured"] == pytest.approx(0.3) and slow["unit"] == "fraction"
 
 
 def test_real_deepspeed_as_rank0_of_8_on_the_fake_group_cpu():

@@ -19,7 +19,8 @@ otherwise; ``predicted`` None when the planner has no such figure):
   real tensors: torch's fake process group answers every collective, so rank 0 allocates
   exactly what it would in an ``n``-rank job; compared with the planner at ``--gpus n``.
 - ``multi_gpu_checks``: with >= 2 GPUs, an NCCL collective sweep and α–β fit against the
-  profile (communicators, overlap); skipped with the reason otherwise.
+  profile, and how much of an all-gather hides behind matmuls (``bench/overlap.py``) against
+  the planner's slowdown; skipped with the reason otherwise.
 
 ``run_validation`` runs all of them and returns the report that
 ``zeroplan.bench.validate_report`` writes as JSON and markdown.
@@ -284,9 +285,10 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
 
 
 # ---------------------------------------------------------------------- several GPUs
-def multi_gpu_checks(gpu_count: int, hardware: Any = None, *,
-                     run: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
-    """An NCCL all-reduce / all-gather sweep over every GPU and its α–β fit vs the profile."""
+def multi_gpu_checks(gpu_count: int, hardware: Any = None, *, run: Callable[..., Any] | None = None,
+                     run_overlap_fn: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
+    """An NCCL all-reduce / all-gather sweep over every GPU and its α–β fit vs the profile, and
+    the overlap slowdown (bench overlap) vs the planner's."""
     if gpu_count < 2:
         return [_skip("multi-gpu", f"{gpu_count} GPU(s): communicators, overlap and α–β need at least 2")]
     from zeroplan.bench.collectives import BenchConfig, add_predictions, fit_tiers, run_collectives
@@ -304,6 +306,14 @@ def multi_gpu_checks(gpu_count: int, hardware: Any = None, *,
                         getattr(link, "effective_GBps_per_gpu", None), f.bandwidth_GBps, unit="GB/s"))
         rows.append(row("multi-gpu", f"{tier} α–β latency", getattr(link, "latency_us", None), f.latency_us,
                         unit="µs"))
+    from zeroplan.bench.overlap import OverlapConfig, run_overlap
+    from zeroplan.core.overlap import overlap_slowdown
+
+    ov = (run_overlap_fn or run_overlap)(OverlapConfig(), nproc=gpu_count, backend="nccl", timeout_s=300)
+    rows.append(row("multi-gpu", f"overlap slowdown: {ov.size_bytes:,} B all-gather beside {ov.gemms} matmuls",
+                    overlap_slowdown(hardware)[0], ov.slowdown, unit="fraction",
+                    note=f"alone {ov.comm_s * 1e3:.3f} ms and {ov.compute_s * 1e3:.3f} ms, together "
+                         f"{ov.both_s * 1e3:.3f} ms (bench overlap)"))
     return rows
 
 

@@ -1,4 +1,4 @@
-"""`zeroplan bench collectives` and `zeroplan bench zero` (the on-cluster proof).
+"""`zeroplan bench collectives`, `bench overlap` (commands/bench_overlap.py) and `bench zero`: the on-cluster proof.
 
 torch is imported only inside the command bodies: `zeroplan --help` and the planning
 commands never load it.
@@ -29,7 +29,8 @@ __all__ = ["register", "bench_app"]
 
 bench_app = typer.Typer(
     name="bench",
-    help="Measure on the cluster: collective bandwidth sweeps and real ZeRO steps vs the plan.",
+    help="Measure on the cluster: collective bandwidth sweeps, how much communication hides behind compute, "
+         "and real ZeRO steps vs the plan.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -217,6 +218,11 @@ def _save_fitted_profile(report: Any, save_profile: str, hardware: str | None) -
         if f.get("warning"):
             err_console().print(f"[yellow]warning:[/] {f['warning']}", markup=True)
     return save_profile
+
+
+from zeroplan.commands import bench_overlap as _bench_overlap  # noqa: E402 - registered between the two
+
+_bench_overlap.register(bench_app)
 
 
 @bench_app.command("zero")

@@ -1,0 +1,264 @@
+"""`zeroplan bench overlap`: how much of a collective really hides behind compute on this node.
+
+ZeRO-3 and FSDP gather the next module's parameters and reduce-scatter gradients on side
+streams while the current module computes (core/overlap.py). Whether that communication is
+hidden is a property of the node and its software: NCCL's kernels take SMs and HBM bandwidth
+from the GEMMs beside them, and a driver, NCCL or launcher setting can serialise the two outright.
+The ZeRO++ paper's V100 runs, for one, behave as if nothing hid (tests/data/published/README.md).
+Each rank measures:
+
+- ``compute_s``: ``gemms`` matmuls of a transformer MLP's shape, (tokens × hidden) @ (hidden ×
+  4·hidden), alone on the compute stream;
+- ``comm_s``: one all-gather of ``size_bytes`` (the full output buffer, as in the ledger) alone;
+- ``both_s``: the all-gather issued first from a side stream (CUDA; DeepSpeed's
+  ``__allgather_stream``) or as an async work (gloo runs it on its own thread), then the matmuls
+  on the compute stream, then both waited for.
+
+``gemms`` is chosen (the same on every rank) so the matmuls take about ``COVER`` times the
+all-gather: there is compute to hide the whole collective behind. Each time is the slowest rank's
+mean over ``iters`` repetitions (a collective ends with its last rank). The slowdown is the part of
+the shorter activity that did not hide, ``(both_s − max(compute_s, comm_s)) / min(compute_s,
+comm_s)`` clamped to [0, 1]: 0 = hidden for free, 1 = serialised. That is the planner's
+``OVERLAP_SLOWDOWN`` (the fraction of hidden communication time added back to compute), and
+``--save-profile`` writes it as ``node.overlap_slowdown`` so plans on that profile use it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from datetime import date
+from typing import Any, Callable
+
+from pydantic import BaseModel, Field
+
+from zeroplan._util import InputError, atomic_write_text
+
+__all__ = ["OverlapConfig", "OverlapReport", "slowdown_fraction", "resolve_config", "overlap_rank",
+           "aggregate_overlap", "run_overlap", "save_overlap_profile", "write_overlap_json", "COVER"]
+
+COVER = 2.0  # matmul time / all-gather time the calibration aims for
+MAX_GEMMS = 10_000
+# Shapes by device: a Llama-7B-like MLP matmul and a 256 MiB gather (a ZeRO-3 prefetch of a few
+# layers) on CUDA; a small shape on CPU, where gloo and the matmul share a few cores.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cuda": {"hidden": 4096, "tokens": 4096, "size_bytes": 256 * 2**20, "dtype": "bfloat16"},
+    "cpu": {"hidden": 256, "tokens": 256, "size_bytes": 4 * 2**20, "dtype": "float32"},
+}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class OverlapConfig(BaseModel):
+    """What to measure; a field left None takes the device's default (``_DEFAULTS``)."""
+
+    hidden: int | None = None
+    tokens: int | None = None
+    size_bytes: int | None = Field(None, description="all-gather output (full buffer), bytes")
+    dtype: str | None = None
+    warmup: int = 3
+    iters: int = 10
+
+
+class OverlapReport(BaseModel):
+    world_size: int
+    backend: str
+    launcher: str
+    device: str
+    dtype: str
+    hidden: int
+    tokens: int
+    gemms: int = Field(description="matmuls per measurement (calibrated to cover the all-gather)")
+    gemm_flops: float = Field(description="FLOPs of one matmul, 2·tokens·hidden·4·hidden")
+    size_bytes: int
+    warmup: int
+    iters: int
+    compute_s: float = Field(description="the matmuls alone, slowest rank's mean")
+    comm_s: float = Field(description="the all-gather alone, slowest rank's mean")
+    both_s: float = Field(description="all-gather and matmuls issued together, slowest rank's mean")
+    slowdown: float = Field(description="(both - max) / min, in [0, 1]: 0 hidden for free, 1 serialised")
+    compute_tflops: float = Field(description="matmul throughput alone, 1e12 FLOP/s")
+    busbw_GBps: float = Field(description="all-gather bus bandwidth alone, 1e9 B/s")
+    planner_default: float = Field(description="core/overlap.py OVERLAP_SLOWDOWN, used without a measurement")
+    ranks: list[dict[str, Any]]
+    warnings: list[str] = Field(default_factory=list)
+    profile: str | None = None
+
+
+def slowdown_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
+    """The part of the shorter activity that failed to hide behind the longer, in [0, 1]."""
+    short = min(compute_s, comm_s)
+    if not short > 0:
+        return 0.0
+    return min(1.0, max(0.0, (both_s - max(compute_s, comm_s)) / short))
+
+
+def resolve_config(cfg: OverlapConfig, device: str) -> dict[str, Any]:
+    """The settings to run with: the config's, else the device's defaults; checked."""
+    d = _DEFAULTS["cuda" if device == "cuda" else "cpu"]
+    out = {k: (getattr(cfg, k) if getattr(cfg, k) is not None else d[k]) for k in d}
+    for key, flag in (("hidden", "--hidden"), ("tokens", "--tokens"), ("size_bytes", "--size")):
+        if not isinstance(out[key], int) or out[key] < 1:
+            raise InputError(f"{flag} {out[key]!r}: expected a positive integer")
+    if out["dtype"] not in _DTYPE_BYTES:
+        raise InputError(f"--dtype {out['dtype']!r}: expected one of {', '.join(_DTYPE_BYTES)}")
+    if cfg.iters < 1 or cfg.warmup < 0:
+        raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
+    return out
+
+
+# ------------------------------------------------------------------ one rank
+def overlap_rank(rank: int, world_size: int, cfg_json: str) -> dict[str, Any]:
+    """The per-rank measurement (runs inside a launched rank); JSON-able means in seconds."""
+    import torch
+    import torch.distributed as dist
+
+    from zeroplan.runtime.comm import all_gather_fn
+
+    cfg = OverlapConfig.model_validate_json(cfg_json)
+    cuda = dist.get_backend() == "nccl"
+    s = resolve_config(cfg, "cuda" if cuda else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = getattr(torch, s["dtype"])
+    h, t = s["hidden"], s["tokens"]
+    a = torch.randn(t, h, dtype=dtype, device=device)
+    b = torch.randn(h, 4 * h, dtype=dtype, device=device) / math.sqrt(h)
+    c = torch.empty(t, 4 * h, dtype=dtype, device=device)
+    count = max(world_size, s["size_bytes"] // _DTYPE_BYTES[s["dtype"]] // world_size * world_size)
+    gathered = torch.empty(count, dtype=dtype, device=device)
+    shard = torch.ones(count // world_size, dtype=dtype, device=device)
+    gather = all_gather_fn(dist)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(fn: Callable[[], None], iters: int) -> float:
+        for _ in range(cfg.warmup):
+            fn()
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / iters
+
+    def gemms(k: int) -> None:
+        for _ in range(k):
+            torch.mm(a, b, out=c)
+
+    comm_s = timed(lambda: gather(gathered, shard), cfg.iters)
+    one_gemm_s = timed(lambda: gemms(1), cfg.iters)
+    k = _agree_max(min(MAX_GEMMS, max(1, math.ceil(COVER * comm_s / max(one_gemm_s, 1e-9)))), device)
+    compute_s = timed(lambda: gemms(k), cfg.iters)
+    if cuda:
+        side = torch.cuda.Stream()
+
+        def both() -> None:
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                gather(gathered, shard)  # NCCL's stream waits for `side`, and `side` for NCCL's
+            gemms(k)
+            main.wait_stream(side)
+    else:
+        def both() -> None:
+            work = gather(gathered, shard, async_op=True)  # gloo runs it on its own thread
+            gemms(k)
+            work.wait()
+    both_s = timed(both, cfg.iters)
+    return {"rank": rank, "hostname": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "settings": s, "gemms": k,
+            "gathered_bytes": count * _DTYPE_BYTES[s["dtype"]], "compute_s": compute_s, "comm_s": comm_s,
+            "both_s": both_s}
+
+
+def _agree_max(k: int, device: Any) -> int:
+    """Every rank runs the same number of matmuls: the largest any rank asked for."""
+    import torch
+    import torch.distributed as dist
+
+    v = torch.tensor([k], dtype=torch.int64, device=device)
+    dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    return int(v.item())
+
+
+# ------------------------------------------------------------------ all ranks
+def aggregate_overlap(per_rank: list[dict[str, Any]], cfg: OverlapConfig, *, backend: str,
+                      launcher: str) -> OverlapReport:
+    """The report from every rank's means (pure Python)."""
+    from zeroplan.core.overlap import OVERLAP_SLOWDOWN
+    from zeroplan.specs.collectives import busbw_factor
+
+    first = per_rank[0]
+    s, world = first["settings"], len(per_rank)
+    compute_s = max(r["compute_s"] for r in per_rank)
+    comm_s = max(r["comm_s"] for r in per_rank)
+    both_s = max(r["both_s"] for r in per_rank)
+    flops = 2.0 * s["tokens"] * s["hidden"] * 4 * s["hidden"]
+    size = int(first["gathered_bytes"])
+    warnings = []
+    if world < 2:
+        warnings.append("one rank: the all-gather is a local copy, not network traffic; run with at least 2 ranks "
+                        "(2 GPUs, or torchrun across nodes) to measure what a ZeRO-3 gather costs")
+    if compute_s < comm_s:
+        warnings.append(f"the matmuls ({compute_s * 1e3:.3g} ms) are shorter than the all-gather "
+                        f"({comm_s * 1e3:.3g} ms): the slowdown is the part of the matmuls that did not hide; "
+                        f"raise --tokens or lower --size")
+    return OverlapReport(
+        world_size=world, backend=backend, launcher=launcher, device=first["device"], dtype=s["dtype"],
+        hidden=s["hidden"], tokens=s["tokens"], gemms=first["gemms"], gemm_flops=flops, size_bytes=size,
+        warmup=cfg.warmup, iters=cfg.iters, compute_s=compute_s, comm_s=comm_s, both_s=both_s,
+        slowdown=slowdown_fraction(compute_s, comm_s, both_s),
+        compute_tflops=flops * first["gemms"] / compute_s / 1e12 if compute_s > 0 else 0.0,
+        busbw_GBps=size * busbw_factor("all_gather", world) / comm_s / 1e9 if comm_s > 0 else 0.0,
+        planner_default=OVERLAP_SLOWDOWN,
+        ranks=[{k: r[k] for k in ("rank", "hostname", "local_rank", "device", "compute_s", "comm_s", "both_s")}
+               for r in per_rank],
+        warnings=warnings,
+    )
+
+
+def run_overlap(cfg: OverlapConfig, *, nproc: int = 2, backend: str = "auto",
+                timeout_s: float = 600) -> OverlapReport | None:
+    """Join torchrun when launched under it, else fork ``nproc`` local ranks. Under torchrun only
+    rank 0 gets the report (the others get None)."""
+    from zeroplan.runtime.launch import check_world_size, join_torchrun, resolve_backend, spawn, under_torchrun
+
+    backend = resolve_backend(backend)
+    resolve_config(cfg, "cuda" if backend == "nccl" else "cpu")  # bad settings: one line before any rank starts
+    if under_torchrun():
+        per_rank = join_torchrun(overlap_rank, args=(cfg.model_dump_json(),), backend=backend, timeout_s=timeout_s)
+        return None if per_rank is None else aggregate_overlap(per_rank, cfg, backend=backend, launcher="torchrun")
+    check_world_size(nproc)
+    per_rank = spawn(overlap_rank, nproc, args=(cfg.model_dump_json(),), backend=backend, timeout_s=timeout_s)
+    return aggregate_overlap(per_rank, cfg, backend=backend, launcher="local")
+
+
+def save_overlap_profile(report: OverlapReport, path: str, hardware: str) -> Any:
+    """Write ``hardware`` (a profile name or TOML path) with ``node.overlap_slowdown`` set to the
+    measured fraction and its source; returns the profile written."""
+    from zeroplan.specs import hardware as hw
+
+    base = hw.load_profile(hardware)
+    note = (f"measured by zeroplan bench overlap on {date.today().isoformat()}: {report.backend}, "
+            f"{report.world_size} rank(s) on {report.device}, all-gather of {report.size_bytes} B beside "
+            f"{report.gemms} x ({report.tokens} x {report.hidden}) @ ({report.hidden} x {4 * report.hidden}) "
+            f"{report.dtype} matmuls: alone {report.comm_s:.6g} s and {report.compute_s:.6g} s, together "
+            f"{report.both_s:.6g} s, {report.iters} iterations")
+    sources = dict(base.sources)
+    sources["node.overlap_slowdown"] = note + ("; WARNING " + "; ".join(report.warnings) if report.warnings else "")
+    name = base.name if base.name.endswith("-measured") else f"{base.name}-measured"
+    profile = base.model_copy(update={
+        "node": base.node.model_copy(update={"overlap_slowdown": round(report.slowdown, 4)}),
+        "sources": sources, "name": name,
+    })
+    hw.save_profile(profile, path)
+    return profile
+
+
+def write_overlap_json(report: OverlapReport, path: str) -> None:
+    atomic_write_text(path, json.dumps(report.model_dump(mode="json"), indent=2, allow_nan=False) + "\n")

@@ -1,0 +1,110 @@
+"""`zeroplan bench overlap`: does communication hide behind compute on this node? (bench/overlap.py)
+
+torch is imported only inside the command body.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import typer
+
+from zeroplan._util import InputError, validate_output_path
+from zeroplan.commands._common import console, fail, handle_errors, print_json
+
+__all__ = ["overlap"]
+
+
+def _render(report: Any, saved: str | None) -> None:
+    from zeroplan.commands.bench import _fmt_size
+
+    out = console()
+    out.print(f"bench overlap — {report.backend}, {report.world_size} rank(s), {report.device}, {report.dtype}, "
+              f"{report.iters} iters", highlight=False)
+    out.print(f"  compute alone   {report.compute_s * 1e3:10.3f} ms   {report.gemms} × ({report.tokens} × "
+              f"{report.hidden}) @ ({report.hidden} × {4 * report.hidden}), {report.compute_tflops:.3g} TFLOP/s",
+              highlight=False)
+    out.print(f"  all-gather alone{report.comm_s * 1e3:10.3f} ms   {_fmt_size(report.size_bytes)} output, busbw "
+              f"{report.busbw_GBps:.3g} GB/s", highlight=False)
+    out.print(f"  both together   {report.both_s * 1e3:10.3f} ms   (hidden for free: "
+              f"{max(report.compute_s, report.comm_s) * 1e3:.3f} ms; serialised: "
+              f"{(report.compute_s + report.comm_s) * 1e3:.3f} ms)", highlight=False)
+    out.print(f"  slowdown        {report.slowdown:10.3f}      of the hidden time is lost (0 = hidden for free, "
+              f"1 = nothing hides); the planner's default is {report.planner_default:g}", highlight=False)
+    out.print("slowdown = (together − the longer alone) / the shorter alone; each time is the slowest rank's mean.",
+              highlight=False)
+    for w in report.warnings:
+        out.print(f"[yellow]warning:[/] {w}")
+    if saved:
+        out.print(f"node.overlap_slowdown = {round(report.slowdown, 4):g} → {saved}", highlight=False)
+
+
+def overlap(
+    hidden: Optional[int] = typer.Option(None, "--hidden",
+                                         help="Matmul width: (tokens × hidden) @ (hidden × 4·hidden). "
+                                              "Default 4096 on CUDA, 256 on CPU."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Matmul rows (micro-batch × sequence). "
+                                                                "Default 4096 on CUDA, 256 on CPU."),
+    size: Optional[str] = typer.Option(None, "--size", help="All-gather output size (bytes; K/M/G = 2^10/2^20/2^30). "
+                                                            "Default 256M on CUDA, 4M on CPU."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default bfloat16 on "
+                                                              "CUDA, float32 on CPU)."),
+    warmup: int = typer.Option(3, "--warmup", help="Untimed repetitions before each measurement."),
+    iters: int = typer.Option(10, "--iters", help="Timed repetitions per measurement."),
+    nproc: int = typer.Option(2, "--nproc", help="Local ranks to start (ignored under torchrun, which sets the world)."),
+    backend: str = typer.Option("auto", "--backend", help="auto (nccl if CUDA is available, else gloo), nccl or gloo."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds before hung ranks are killed."),
+    save_profile: Optional[str] = typer.Option(None, "--save-profile",
+                                               help="Write --hardware's profile with node.overlap_slowdown set to the "
+                                                    "measurement (TOML, atomic)."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="The base profile for --save-profile."),
+    output: Optional[str] = typer.Option(None, "--output", help="Also write the JSON report to this file (atomic)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else."),
+) -> None:
+    """Time an all-gather and a run of matmuls alone and together: how much communication hides.
+
+    ZeRO-3 gathers the next module's parameters on a side stream while the current module
+    computes; the planner charges a fraction of that hidden time back to compute (0.15 by
+    default). This measures the fraction on your node: 0 = the collective hides for free,
+    1 = it serialises with compute. The matmul count is calibrated so compute covers the
+    collective twice over. Run it across nodes under torchrun for the inter-node figure, then
+    --save-profile PATH --hardware BASE so every plan on that profile uses it.
+    """
+    from zeroplan.commands.bench import require_torch
+
+    require_torch("bench overlap")
+    from zeroplan.bench.collectives import parse_size
+    from zeroplan.bench.overlap import OverlapConfig, run_overlap, save_overlap_profile, write_overlap_json
+    from zeroplan.runtime.launch import RankError, check_timeout
+
+    cfg = OverlapConfig(hidden=hidden, tokens=tokens, dtype=dtype, warmup=warmup, iters=iters,
+                        size_bytes=None if size is None else parse_size(size, "--size"))
+    validate_output_path(save_profile, option="--save-profile", inputs={"--hardware": hardware})
+    validate_output_path(output, option="--output", inputs={"--hardware": hardware, "--save-profile": save_profile})
+    if save_profile is not None and hardware is None:
+        raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the other fields")
+    check_timeout(timeout)
+    if hardware is not None:
+        from zeroplan.specs.hardware import load_profile
+
+        load_profile(hardware)  # a bad profile fails before any rank starts
+    try:
+        report = run_overlap(cfg, nproc=nproc, backend=backend, timeout_s=timeout)
+    except RankError as exc:
+        fail(f"bench overlap: {exc}", 1)
+        return
+    if report is None:  # a non-zero torchrun rank: rank 0 reports
+        return
+    if save_profile is not None:
+        save_overlap_profile(report, save_profile, hardware)
+        report.profile = save_profile
+    if output is not None:
+        write_overlap_json(report, output)
+    if json_out:
+        print_json(report)
+    else:
+        _render(report, save_profile)
+
+
+def register(bench_app: typer.Typer) -> None:
+    bench_app.command("overlap")(handle_errors(overlap))

@@ -11,7 +11,8 @@ network already expose most of their communication (1K tokens at 400 Gb/s runs a
 + communication), which the overlap schedule (core/overlap.py) hides, so zeroplan is too
 optimistic about the fast network. For 138B at 200 vs 800 Gb/s its ratio is 0.20 too high: there
 it hides too much on the slow network. With nothing hidden (the worst-case bracket) every pair
-but the three 18B ones is within 0.05; no DeepSpeed 0.9 scheduling rule found so far explains
+but the three 18B ones is within 0.06 (median 0.045: the second test, a profile whose measured
+node.overlap_slowdown is 1); no DeepSpeed 0.9 scheduling rule found so far explains
 why those runs overlapped so little (tests/data/published/README.md).
 """
 
@@ -36,11 +37,12 @@ def _rows() -> list[dict[str, str]]:
     return list(csv.DictReader(lines))
 
 
-def _tokens_per_s(r: dict[str, str]) -> float:
+def _tokens_per_s(r: dict[str, str], overlap_slowdown: float | None = None) -> float:
     hw = load_profile(str(DATA / "profiles" / "dgx2-v100-ib4.toml"))
     nics = int(r["nics_per_node"])
     hw.inter_node.bandwidth_GBps_per_gpu = nics * 100 / 8 / hw.node.gpus_per_node  # n x 100 Gb/s per node
     hw.inter_node.nics_per_node = nics
+    hw.node.overlap_slowdown = overlap_slowdown  # None: the planner's default (core/overlap.py)
     spec = spec_from_config({"model_type": "gpt2", "n_embd": int(r["hidden"]), "n_head": int(r["heads"]),
                              "n_layer": int(r["layers"]), "vocab_size": 50304, "n_positions": SEQ,
                              "tie_word_embeddings": True}, f"gpt-{r['model']}", "zeropp")
@@ -49,7 +51,7 @@ def _tokens_per_s(r: dict[str, str]) -> float:
     return evaluate(model=spec, training=tr, zero=ZeroConfig(stage=3), n_gpus=384, hardware=hw).tokens_per_s
 
 
-def _pairs() -> list[tuple[str, float, float]]:
+def _pairs(overlap_slowdown: float | None = None) -> list[tuple[str, float, float]]:
     rows = _rows()
     by_key: dict[tuple[str, str, str], dict[int, dict[str, str]]] = {}
     for r in rows:
@@ -59,7 +61,7 @@ def _pairs() -> list[tuple[str, float, float]]:
     for (fig, model, tok), by_nics in by_key.items():
         lo, hi = by_nics[min(by_nics)], by_nics[max(by_nics)]
         meas = float(lo["zero3_tflops_per_gpu"]) / float(hi["zero3_tflops_per_gpu"])
-        pred = _tokens_per_s(lo) / _tokens_per_s(hi)
+        pred = _tokens_per_s(lo, overlap_slowdown) / _tokens_per_s(hi, overlap_slowdown)
         label = f"{model} {tok} tokens/GPU, {min(by_nics) * 100} vs {max(by_nics) * 100} Gb/s"
         out.append((label, pred, meas))
     return out
@@ -81,3 +83,17 @@ def test_zero3_low_vs_high_bandwidth_ratio():
 
 
 MEDIAN_BOUND = 0.115  # reached: 0.114 (0.108 while recomputation counted as forward compute that forward gathers could hide behind)
+
+
+def test_a_cluster_where_nothing_hides_gives_the_measured_ratios():
+    """What a profile with ``node.overlap_slowdown = 1`` (``zeroplan bench overlap`` on a cluster whose
+    collectives serialise with compute) plans: the no-overlap step. Not the default: "nothing hides"
+    would come from this one paper, so it is a measured profile field, not a rule. Reached: median
+    |difference| 0.045; every pair but the three 18B ones (0.10-0.12) within 0.06."""
+    pairs = _pairs(overlap_slowdown=1.0)
+    for label, pred, meas in pairs:
+        print(f"{label}: measured ratio {meas:.2f}, zeroplan with nothing hidden {pred:.2f} ({pred - meas:+.2f})")
+    assert statistics.median(abs(p - m) for _, p, m in pairs) <= 0.05
+    assert all(abs(p - m) <= 0.06 for label, p, m in pairs if not label.startswith("18B"))
+    assert sum(label.startswith("18B") for label, _, _ in pairs) == 3
+

@@ -7,7 +7,7 @@ commands never load it.
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -50,6 +50,17 @@ def require_torch(command: str) -> None:
     except ImportError as exc:  # ModuleNotFoundError, or a broken install
         raise InputError(f"{command} needs PyTorch, which is not importable here ({exc}); "
                          f"install the extra: {BENCH_EXTRA_HINT}") from None
+
+
+def run_ranks(command: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` (which starts or joins the ranks); a rank that fails or hangs ends the command with
+    one line and exit 1. None on a non-zero torchrun rank (rank 0 reports)."""
+    from zeroplan.runtime.launch import RankError
+
+    try:
+        return fn()
+    except RankError as exc:
+        fail(f"{command}: {exc}", 1)
 
 
 def _fmt_size(n: int) -> str:
@@ -140,7 +151,7 @@ def collectives(
         validate_config,
         write_report_json,
     )
-    from zeroplan.runtime.launch import RankError, check_timeout, under_torchrun
+    from zeroplan.runtime.launch import check_timeout, under_torchrun
 
     cfg = BenchConfig(
         ops=[o.strip() for o in ops.split(",") if o.strip()],
@@ -160,11 +171,7 @@ def collectives(
 
         hw_profile = load_profile(hardware)  # fail on a bad profile before running anything
     show_progress = not json_out and sys.stdout.isatty() and not under_torchrun()
-    try:
-        report = _run_sweep(cfg, nproc, backend, timeout, show_progress)
-    except RankError as exc:
-        fail(f"bench collectives: {exc}", 1)
-        return
+    report = run_ranks("bench collectives", lambda: _run_sweep(cfg, nproc, backend, timeout, show_progress))
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return
     if hw_profile is not None:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import typer
 
 from zeroplan._util import InputError, validate_output_path
-from zeroplan.commands._common import console, fail, handle_errors, print_json
+from zeroplan.commands._common import console, handle_errors, print_json
 
 __all__ = ["overlap"]
 
@@ -70,12 +70,12 @@ def overlap(
     collective twice over. Run it across nodes under torchrun for the inter-node figure, then
     --save-profile PATH --hardware BASE so every plan on that profile uses it.
     """
-    from zeroplan.commands.bench import require_torch
+    from zeroplan.commands.bench import require_torch, run_ranks
 
     require_torch("bench overlap")
     from zeroplan.bench.collectives import parse_size
     from zeroplan.bench.overlap import OverlapConfig, run_overlap, save_overlap_profile, write_overlap_json
-    from zeroplan.runtime.launch import RankError, check_timeout
+    from zeroplan.runtime.launch import check_timeout
 
     cfg = OverlapConfig(hidden=hidden, tokens=tokens, dtype=dtype, warmup=warmup, iters=iters,
                         size_bytes=None if size is None else parse_size(size, "--size"))
@@ -88,11 +88,7 @@ def overlap(
         from zeroplan.specs.hardware import load_profile
 
         load_profile(hardware)  # a bad profile fails before any rank starts
-    try:
-        report = run_overlap(cfg, nproc=nproc, backend=backend, timeout_s=timeout)
-    except RankError as exc:
-        fail(f"bench overlap: {exc}", 1)
-        return
+    report = run_ranks("bench overlap", lambda: run_overlap(cfg, nproc=nproc, backend=backend, timeout_s=timeout))
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return
     if save_profile is not None:

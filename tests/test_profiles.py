@@ -376,3 +376,19 @@ def test_planning_modules_do_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name", sorted(_bundled_files()))
+def test_show_lists_every_field_of_the_profile(name):
+    """`profiles show` has a row for every numeric field a profile sets (optional ones included)."""
+    from zeroplan.commands.profiles import _rows
+    from zeroplan.specs.hardware import numeric_field_paths
+
+    p = load_profile(name)
+    shown = {path for path, _ in _rows(p)}
+    flops = {f"gpu.peak_flops.{k}" for k in p.gpu.peak_flops}
+    missing = [f for f in numeric_field_paths(p) if f not in shown and f not in flops]
+    assert not missing, f"{name}: profiles show leaves out {missing}"
+    for tier in ("intra_node", "inter_node"):
+        if getattr(p, tier).algorithms is not None:
+            assert f"{tier}.algorithms" in shown

@@ -111,23 +111,39 @@ def _rows(p: Any) -> list[tuple[str, str]]:
     ]
     if n.cpu_cores is not None:
         rows.append(("node.cpu_cores", f"{n.cpu_cores} physical cores"))
+    if n.cpu_adam_params_per_s_per_core is not None:
+        rows.append(("node.cpu_adam_params_per_s_per_core",
+                     f"{n.cpu_adam_params_per_s_per_core:,.0f} parameters/s per core (CPU Adam)"))
+    if n.overlap_slowdown is not None:
+        rows.append(("node.overlap_slowdown", f"{n.overlap_slowdown:g} of the hidden communication time "
+                                              "(0 = hidden for free, 1 = nothing hides)"))
     for tier in ("intra_node", "inter_node"):
-        link = getattr(p, tier)
-        bw = link.bandwidth_GBps_per_gpu
-        rows += [
-            (f"{tier}.name", link.name),
-            (f"{tier}.bandwidth_GBps_per_gpu",
-             f"{bw:,.6g} GB/s per GPU, one direction (= {bw * 8:,.4g} Gb/s per GPU, "
-             f"{bw * n.gpus_per_node * 8:,.4g} Gb/s per node)"),
-            (f"{tier}.latency_us", f"{link.latency_us:g} µs per step"),
-            (f"{tier}.efficiency", f"{link.efficiency:g} (achievable {link.effective_GBps_per_gpu:,.4g} GB/s per GPU)"),
-        ]
+        rows += _link_rows(tier, getattr(p, tier), n.gpus_per_node)
     o = p.overhead
     rows += [
         ("overhead.cuda_context_bytes", _bytes(o.cuda_context_bytes)),
         ("overhead.nccl_bytes", _bytes(o.nccl_bytes)),
         ("overhead.fragmentation_fraction", f"{o.fragmentation_fraction:g} of the churned bytes (freed and re-requested at other sizes)"),
     ]
+    return rows
+
+
+def _link_rows(tier: str, link: Any, gpus_per_node: int) -> list[tuple[str, str]]:
+    bw = link.bandwidth_GBps_per_gpu
+    rows = [
+        (f"{tier}.name", link.name),
+        (f"{tier}.bandwidth_GBps_per_gpu",
+         f"{bw:,.6g} GB/s per GPU, one direction (= {bw * 8:,.4g} Gb/s per GPU, "
+         f"{bw * gpus_per_node * 8:,.4g} Gb/s per node)"),
+        (f"{tier}.latency_us", f"{link.latency_us:g} µs per step"),
+        (f"{tier}.efficiency", f"{link.efficiency:g} (achievable {link.effective_GBps_per_gpu:,.4g} GB/s per GPU)"),
+    ]
+    if link.algorithms is not None:
+        rows.append((f"{tier}.algorithms", ", ".join(link.algorithms) + " (NCCL algorithms offered)"))
+    if link.mesh_link_GBps is not None:
+        rows.append((f"{tier}.mesh_link_GBps", f"{link.mesh_link_GBps:,.6g} GB/s per GPU-to-GPU link, one direction"))
+    if link.nics_per_node is not None:
+        rows.append((f"{tier}.nics_per_node", f"{link.nics_per_node} network adapters per node"))
     return rows
 
 

@@ -371,5 +371,6 @@ def _check_groups(cfg: BenchConfig, world: int, gpus_per_node: int) -> None:
         raise InputError(f"--group intra: needs at least 2 ranks per node, got {gpus_per_node}")
 
 
-def write_report_json(report: CollectivesReport, path: str) -> None:
+def write_report_json(report: BaseModel, path: str) -> None:
+    """Any bench report (collectives, overlap) as indented JSON, atomically."""
     atomic_write_text(path, json.dumps(report.model_dump(mode="json"), indent=2, allow_nan=False) + "\n")

@@ -309,7 +309,11 @@ def multi_gpu_checks(gpu_count: int, hardware: Any = None, *, run: Callable[...,
     from zeroplan.bench.overlap import OverlapConfig, run_overlap
     from zeroplan.core.overlap import overlap_slowdown
 
-    ov = (run_overlap_fn or run_overlap)(OverlapConfig(), nproc=gpu_count, backend="nccl", timeout_s=300)
+    try:  # a failed overlap run keeps the sweep's rows above
+        ov = (run_overlap_fn or run_overlap)(OverlapConfig(), nproc=gpu_count, backend="nccl", timeout_s=300)
+    except Exception as exc:  # noqa: BLE001 - reported as a row, like run_validation's other checks
+        return rows + [row("multi-gpu", "overlap slowdown failed", None, None, unit="",
+                           note=f"{type(exc).__name__}: {exc}"[:500])]
     rows.append(row("multi-gpu", f"overlap slowdown: {ov.size_bytes:,} B all-gather beside {ov.gemms} matmuls",
                     overlap_slowdown(hardware)[0], ov.slowdown, unit="fraction",
                     note=f"alone {ov.comm_s * 1e3:.3f} ms and {ov.compute_s * 1e3:.3f} ms, together "

@@ -25,7 +25,6 @@ comm_s)`` clamped to [0, 1]: 0 = hidden for free, 1 = serialised. That is the pl
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
@@ -35,10 +34,11 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
-from zeroplan._util import InputError, atomic_write_text
+from zeroplan._util import InputError
+from zeroplan.bench.collectives import DTYPE_BYTES
 
 __all__ = ["OverlapConfig", "OverlapReport", "slowdown_fraction", "resolve_config", "overlap_rank",
-           "aggregate_overlap", "run_overlap", "save_overlap_profile", "write_overlap_json", "COVER"]
+           "aggregate_overlap", "run_overlap", "save_overlap_profile", "COVER"]
 
 COVER = 2.0  # matmul time / all-gather time the calibration aims for
 MAX_GEMMS = 10_000
@@ -48,7 +48,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"hidden": 4096, "tokens": 4096, "size_bytes": 256 * 2**20, "dtype": "bfloat16"},
     "cpu": {"hidden": 256, "tokens": 256, "size_bytes": 4 * 2**20, "dtype": "float32"},
 }
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class OverlapConfig(BaseModel):
@@ -102,8 +101,8 @@ def resolve_config(cfg: OverlapConfig, device: str) -> dict[str, Any]:
     for key, flag in (("hidden", "--hidden"), ("tokens", "--tokens"), ("size_bytes", "--size")):
         if not isinstance(out[key], int) or out[key] < 1:
             raise InputError(f"{flag} {out[key]!r}: expected a positive integer")
-    if out["dtype"] not in _DTYPE_BYTES:
-        raise InputError(f"--dtype {out['dtype']!r}: expected one of {', '.join(_DTYPE_BYTES)}")
+    if out["dtype"] not in DTYPE_BYTES:
+        raise InputError(f"--dtype {out['dtype']!r}: expected one of {', '.join(DTYPE_BYTES)}")
     if cfg.iters < 1 or cfg.warmup < 0:
         raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
     return out
@@ -126,7 +125,7 @@ def overlap_rank(rank: int, world_size: int, cfg_json: str) -> dict[str, Any]:
     a = torch.randn(t, h, dtype=dtype, device=device)
     b = torch.randn(h, 4 * h, dtype=dtype, device=device) / math.sqrt(h)
     c = torch.empty(t, 4 * h, dtype=dtype, device=device)
-    count = max(world_size, s["size_bytes"] // _DTYPE_BYTES[s["dtype"]] // world_size * world_size)
+    count = max(world_size, s["size_bytes"] // DTYPE_BYTES[s["dtype"]] // world_size * world_size)
     gathered = torch.empty(count, dtype=dtype, device=device)
     shard = torch.ones(count // world_size, dtype=dtype, device=device)
     gather = all_gather_fn(dist)
@@ -172,7 +171,7 @@ def overlap_rank(rank: int, world_size: int, cfg_json: str) -> dict[str, Any]:
     both_s = timed(both, cfg.iters)
     return {"rank": rank, "hostname": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
             "device": torch.cuda.get_device_name(device) if cuda else "cpu", "settings": s, "gemms": k,
-            "gathered_bytes": count * _DTYPE_BYTES[s["dtype"]], "compute_s": compute_s, "comm_s": comm_s,
+            "gathered_bytes": count * DTYPE_BYTES[s["dtype"]], "compute_s": compute_s, "comm_s": comm_s,
             "both_s": both_s}
 
 
@@ -258,7 +257,3 @@ def save_overlap_profile(report: OverlapReport, path: str, hardware: str) -> Any
     })
     hw.save_profile(profile, path)
     return profile
-
-
-def write_overlap_json(report: OverlapReport, path: str) -> None:
-    atomic_write_text(path, json.dumps(report.model_dump(mode="json"), indent=2, allow_nan=False) + "\n")

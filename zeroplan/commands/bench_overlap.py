@@ -73,8 +73,8 @@ def overlap(
     from zeroplan.commands.bench import require_torch, run_ranks
 
     require_torch("bench overlap")
-    from zeroplan.bench.collectives import parse_size
-    from zeroplan.bench.overlap import OverlapConfig, run_overlap, save_overlap_profile, write_overlap_json
+    from zeroplan.bench.collectives import parse_size, write_report_json
+    from zeroplan.bench.overlap import OverlapConfig, run_overlap, save_overlap_profile
     from zeroplan.runtime.launch import check_timeout
 
     cfg = OverlapConfig(hidden=hidden, tokens=tokens, dtype=dtype, warmup=warmup, iters=iters,
@@ -95,7 +95,7 @@ def overlap(
         save_overlap_profile(report, save_profile, hardware)
         report.profile = save_profile
     if output is not None:
-        write_overlap_json(report, output)
+        write_report_json(report, output)
     if json_out:
         print_json(report)
     else:

@@ -1,4 +1,5 @@
-"""`zeroplan bench collectives`, `bench overlap` (commands/bench_overlap.py) and `bench zero`: the on-cluster proof.
+"""`zeroplan bench collectives`, `bench overlap`, `bench cpu-adam` (commands/bench_overlap.py,
+commands/bench_cpu_adam.py) and `bench zero`: the on-cluster proof.
 
 torch is imported only inside the command bodies: `zeroplan --help` and the planning
 commands never load it.
@@ -61,6 +62,33 @@ def run_ranks(command: str, fn: Callable[[], Any]) -> Any:
         return fn()
     except RankError as exc:
         fail(f"{command}: {exc}", 1)
+
+
+def check_profile_paths(save_profile: str | None, output: str | None, hardware: str | None) -> None:
+    """The checks every measuring bench makes before it starts: --save-profile and --output are
+    writable and name no input, and --save-profile has a --hardware base (InputError, exit 2)."""
+    validate_output_path(save_profile, option="--save-profile", inputs={"--hardware": hardware})
+    validate_output_path(output, option="--output", inputs={"--hardware": hardware, "--save-profile": save_profile})
+    if save_profile is not None and hardware is None:
+        raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the other fields")
+
+
+def emit_report(report: Any, *, save: Callable[[Any, str, str], Any], save_profile: str | None,
+                hardware: str | None, output: str | None, json_out: bool,
+                render: Callable[[Any, str | None], None]) -> None:
+    """Save the measured profile (``save(report, path, hardware)``), write --output, then print the
+    report as JSON or through ``render``."""
+    from zeroplan.bench.collectives import write_report_json
+
+    if save_profile is not None and hardware is not None:
+        save(report, save_profile, hardware)
+        report.profile = save_profile
+    if output is not None:
+        write_report_json(report, output)
+    if json_out:
+        print_json(report)
+    else:
+        render(report, save_profile)
 
 
 def _fmt_size(n: int) -> str:
@@ -227,9 +255,11 @@ def _save_fitted_profile(report: Any, save_profile: str, hardware: str | None) -
     return save_profile
 
 
-from zeroplan.commands import bench_overlap as _bench_overlap  # noqa: E402 - registered between the two
+from zeroplan.commands import bench_cpu_adam as _bench_cpu_adam  # noqa: E402 - registered between the two
+from zeroplan.commands import bench_overlap as _bench_overlap  # noqa: E402
 
 _bench_overlap.register(bench_app)
+_bench_cpu_adam.register(bench_app)
 
 
 @bench_app.command("zero")

@@ -9,8 +9,7 @@ from typing import Any, Optional
 
 import typer
 
-from zeroplan._util import InputError, validate_output_path
-from zeroplan.commands._common import console, handle_errors, print_json
+from zeroplan.commands._common import console, handle_errors
 
 __all__ = ["overlap"]
 
@@ -70,19 +69,16 @@ def overlap(
     collective twice over. Run it across nodes under torchrun for the inter-node figure, then
     --save-profile PATH --hardware BASE so every plan on that profile uses it.
     """
-    from zeroplan.commands.bench import require_torch, run_ranks
+    from zeroplan.commands.bench import check_profile_paths, emit_report, require_torch, run_ranks
 
     require_torch("bench overlap")
-    from zeroplan.bench.collectives import parse_size, write_report_json
+    from zeroplan.bench.collectives import parse_size
     from zeroplan.bench.overlap import OverlapConfig, run_overlap, save_overlap_profile
     from zeroplan.runtime.launch import check_timeout
 
     cfg = OverlapConfig(hidden=hidden, tokens=tokens, dtype=dtype, warmup=warmup, iters=iters,
                         size_bytes=None if size is None else parse_size(size, "--size"))
-    validate_output_path(save_profile, option="--save-profile", inputs={"--hardware": hardware})
-    validate_output_path(output, option="--output", inputs={"--hardware": hardware, "--save-profile": save_profile})
-    if save_profile is not None and hardware is None:
-        raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the other fields")
+    check_profile_paths(save_profile, output, hardware)
     check_timeout(timeout)
     if hardware is not None:
         from zeroplan.specs.hardware import load_profile
@@ -91,15 +87,8 @@ def overlap(
     report = run_ranks("bench overlap", lambda: run_overlap(cfg, nproc=nproc, backend=backend, timeout_s=timeout))
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return
-    if save_profile is not None:
-        save_overlap_profile(report, save_profile, hardware)
-        report.profile = save_profile
-    if output is not None:
-        write_report_json(report, output)
-    if json_out:
-        print_json(report)
-    else:
-        _render(report, save_profile)
+    emit_report(report, save=save_overlap_profile, save_profile=save_profile, hardware=hardware, output=output,
+                json_out=json_out, render=_render)
 
 
 def register(bench_app: typer.Typer) -> None:

@@ -38,13 +38,15 @@ __all__ = ["TimeEstimate", "collective_time_s", "estimate_time", "algbw_busbw", 
            "CPU_ADAM_PARAMS_PER_S_PER_CORE", "cpu_adam_rate"]
 
 DEFAULT_MFU: float | None = None  # None: the compute model (core/compute.py) sets the rate
-# DeepSpeedCPUAdam throughput per physical core when the profile gives none: ~8e7, the order of
-# the CPU-Adam step times in ZeRO-Offload (Ren et al., USENIX ATC 2021, arXiv:2101.06840) on a
-# DGX-2 host (2x Xeon Platinum 8168). NOT verified against the paper's table (issue 13 item 4 open).
+# DeepSpeedCPUAdam throughput per physical core when the profile gives none. The update moves 28 B of
+# fp32 per parameter (ops/adam cpu_adam: reads parameter, gradient, exp_avg, exp_avg_sq; writes three
+# back), so with every rank stepping at once a node is bound by its memory bandwidth, not its cores:
+# ~300 GB/s sustained (75% of a two-socket DDR4-3200 host's 409.6 GB/s) / 28 B / 128 cores = 8e7.
+# One core alone runs ~1e9 (bench cpu-adam on AVX-512 EPYC, examples/validation/cpu-adam/).
 CPU_ADAM_PARAMS_PER_S_PER_CORE = 8.0e7
-CPU_ADAM_SOURCE = ("unverified estimate: ~8e7 params/s per core, the order of ZeRO-Offload's CPU-Adam step times "
-                   "(Ren et al. 2021, arXiv:2101.06840, DGX-2 host), not checked against the paper's table; "
-                   "measure with DeepSpeed tests/perf/adam_test.py")
+CPU_ADAM_SOURCE = ("bandwidth-bound estimate: 28 B of fp32 per parameter and step at ~300 GB/s of host memory "
+                   "bandwidth over 128 cores = 8e7 parameters/s per core when every rank steps at once; not "
+                   "measured on this hardware: zeroplan bench cpu-adam --nproc <GPUs per node> --save-profile")
 
 
 def algbw_busbw(op: str, size_bytes: int, time_s: float, n: int) -> tuple[float, float]:
@@ -75,7 +77,12 @@ def collective_time_s(e: LedgerEntry, hw: Any, n_gpus: int, gpus_per_node: int) 
 def cpu_adam_rate(hw: Any, gpus_per_node: int) -> tuple[float, str]:
     """(parameters/s one rank's CPU optimizer updates, where the figure comes from)."""
     per_core = getattr(hw.node, "cpu_adam_params_per_s_per_core", None)
-    src = "profile node.cpu_adam_params_per_s_per_core"
+    # the profile's source, up to its first colon: "measured by zeroplan bench cpu-adam on <date>" or
+    # the bundled profiles' "bandwidth-bound estimate, not measured on this hardware"
+    note = str((getattr(hw, "sources", None) or {}).get("node.cpu_adam_params_per_s_per_core", "")).split(":")[0]
+    note = note.strip() + ("" if not note.strip() or note.startswith("measured") else
+                           "; zeroplan bench cpu-adam measures it")
+    src = f"profile {getattr(hw, 'name', '?')} node.cpu_adam_params_per_s_per_core" + (f" ({note})" if note else "")
     if not per_core:
         per_core, src = CPU_ADAM_PARAMS_PER_S_PER_CORE, CPU_ADAM_SOURCE
     cores = hw.node.cpu_cores or 2 * max(1, hw.node.gpus_per_node)

@@ -240,3 +240,33 @@ def test_deepspeed_cpu_adam_runs_and_saves_a_profile(tmp_path):
     prof = load_profile(str(out))
     assert prof.node.cpu_adam_params_per_s_per_core == pytest.approx(rep["params_per_s_per_core"], rel=1e-3)
     assert "DeepSpeedCPUAdam" in prof.sources["node.cpu_adam_params_per_s_per_core"]
+
+
+# ------------------------------------------------------------------ zeroplan validate's check
+def test_validate_row_sets_the_measured_per_core_rate_beside_the_profile():
+    from zeroplan.bench.cpu_adam import validation_rows
+    from zeroplan.specs.hardware import load_profile
+
+    calls = []
+
+    def fake_run(cfg, *, nproc, timeout_s):
+        calls.append((cfg.optimizer, nproc))
+        return _report()  # 8 ranks x 1e8 parameters in 0.5 s on 112 cores
+
+    (r,) = validation_rows(8, load_profile(PROFILE), run=fake_run)
+    assert calls == [("deepspeed", 8)]
+    assert r["check"] == "cpu-adam" and r["unit"] == "parameters/s" and r["predicted"] == 8e7
+    assert r["measured"] == pytest.approx(8 * 1e8 / 0.5 / 112)
+    assert r["error"] == pytest.approx(r["measured"] / 8e7 - 1)
+    assert "8 rank(s) x 14 thread(s)" in r["figure"] and "bench cpu-adam" in r["note"]
+
+
+def test_validate_row_is_skipped_with_the_reason_when_deepspeed_cannot_run():
+    from zeroplan._util import InputError
+    from zeroplan.bench.cpu_adam import validation_rows
+
+    def no_deepspeed(cfg, *, nproc, timeout_s):
+        raise InputError("bench cpu-adam needs DeepSpeed (ModuleNotFoundError: No module named 'deepspeed')")
+
+    (r,) = validation_rows(1, None, run=no_deepspeed)
+    assert r["figure"] == "skipped" and "needs DeepSpeed" in r["note"]

@@ -319,3 +319,23 @@ def save_cpu_adam_profile(report: CpuAdamReport, path: str, hardware: str) -> An
     })
     hw.save_profile(profile, path)
     return profile
+
+
+def validation_rows(nproc: int, hardware: Any = None, *, run: Any = None) -> list[dict[str, Any]]:
+    """`zeroplan validate`'s cpu-adam check: the per-core rate with ``nproc`` ranks (the node's GPUs)
+    stepping at once, beside the profile's figure (or the default); skipped with the reason when
+    DeepSpeed or its op build is missing."""
+    from zeroplan.bench.gpu_validate import _skip, row
+    from zeroplan.core.timing import CPU_ADAM_PARAMS_PER_S_PER_CORE
+
+    predicted = getattr(getattr(hardware, "node", None), "cpu_adam_params_per_s_per_core", None)
+    try:
+        rep = (run or run_cpu_adam)(CpuAdamConfig(), nproc=max(1, nproc), timeout_s=600)
+    except InputError as exc:
+        return [_skip("cpu-adam", str(exc))]
+    return [row("cpu-adam", f"DeepSpeedCPUAdam parameters/s per core, {rep.nproc} rank(s) x {rep.threads} "
+                            f"thread(s) stepping at once", predicted or CPU_ADAM_PARAMS_PER_S_PER_CORE,
+                rep.params_per_s_per_core, unit="parameters/s",
+                note=f"node {rep.params_per_s_total:.4g} parameters/s = {rep.memory_GBps:.3g} GB/s of fp32; "
+                     f"{rep.cpu}, {rep.physical_cores} physical cores; {rep.optimizer_version} {rep.simd} "
+                     f"(bench cpu-adam)" + ("; " + "; ".join(rep.warnings) if rep.warnings else ""))]

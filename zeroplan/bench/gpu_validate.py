@@ -21,6 +21,8 @@ otherwise; ``predicted`` None when the planner has no such figure):
 - ``multi_gpu_checks``: with >= 2 GPUs, an NCCL collective sweep and α–β fit against the
   profile, and how much of an all-gather hides behind matmuls (``bench/overlap.py``) against
   the planner's slowdown; skipped with the reason otherwise.
+- ``cpu-adam`` (bench/cpu_adam.py ``validation_rows``): DeepSpeedCPUAdam's rate per core with one
+  process per GPU stepping at once, against the profile's ``node.cpu_adam_params_per_s_per_core``.
 
 ``run_validation`` runs all of them and returns the report that
 ``zeroplan.bench.validate_report`` writes as JSON and markdown.
@@ -344,12 +346,13 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
                    micro_batch: int = 1, seq_len: int = 512, layers: int = 2, hidden: int | None = None,
                    hardware: Any = None, checks: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Every check on ``device``; returns {"environment", "inputs", "rows"}."""
+    from zeroplan.bench.cpu_adam import validation_rows as cpu_adam_rows
     from zeroplan.bench.validate import _zero_config, predict, scaled_spec
     from zeroplan.specs.model import load_model
 
     full = load_model(model)
     spec = scaled_spec(full, layers=layers, hidden=hidden, vocab=None, experts=None)
-    want = set(checks or ("context", "optimizer", "activations", "engine", "deepspeed", "multi-gpu"))
+    want = set(checks or ("context", "optimizer", "activations", "engine", "deepspeed", "multi-gpu", "cpu-adam"))
     rows: list[dict[str, Any]] = []
     plan1 = predict(spec, _zero_config(2, None), precision=precision, micro_batch=micro_batch, seq_len=seq_len,
                     grad_accum=1, n=1)
@@ -377,6 +380,7 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
         "deepspeed": lambda: measure_deepspeed_virtual(device, spec, n=gpus, stage=2, precision=precision,
                                                        micro_batch=micro_batch, seq_len=seq_len, plan=planN),
         "multi-gpu": lambda: multi_gpu_checks(gpu_count(), hardware),
+        "cpu-adam": lambda: cpu_adam_rows(max(1, gpu_count()), hardware),
     }
     for name, fn in steps.items():
         if name not in want:

@@ -160,7 +160,7 @@ def test_multi_gpu_checks_skip_on_one_gpu_and_compare_a_sweep():
     from zeroplan.bench.gpu_validate import multi_gpu_checks
     from zeroplan.specs.hardware import load_profile
 
-    assert multi_gpu_checks(1)[0]["figure"] == "skipped"
+    assert [r["figure"] for r in multi_gpu_checks(0)] == ["skipped"]
     sys.path.insert(0, str(Path(__file__).parent))
     from test_bench_ux import _report
 
@@ -221,3 +221,61 @@ def test_run_validation_keeps_going_when_one_check_fails(monkeypatch):
     assert by["optimizer foreach"]["predicted"] == 4.0  # the planner's optimizer_temp / Ψ
     assert by["multi-gpu"]["figure"] == "skipped"
     assert rep["environment"]["device"] == "cpu" and rep["inputs"]["scaled"]["layers"] == 1
+
+
+def test_one_gpu_runs_the_nccl_smoke_test_and_skips_the_rest():
+    from zeroplan.bench.collectives import BenchConfig
+    from zeroplan.bench.gpu_multi import multi_gpu_checks
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_bench_ux import _report
+
+    seen = []
+
+    def fake(cfg, **kw):
+        seen.append((isinstance(cfg, BenchConfig), kw["nproc"], kw["backend"]))
+        return _report({1 << 20: 30e-6, 1 << 24: 90e-6})
+
+    rows = multi_gpu_checks(1, run=fake)
+    assert seen == [(True, 1, "nccl")]
+    smoke = [r for r in rows if r["figure"].startswith("NCCL smoke test (1 rank): ")]
+    assert [r["measured"] for r in smoke] == [pytest.approx(30.0), pytest.approx(90.0)]  # µs
+    assert all(r["predicted"] is None and r["unit"] == "µs" for r in smoke)
+    assert rows[-1]["figure"] == "skipped" and "at least 2" in rows[-1]["note"]
+
+    def broken(cfg, **kw):
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    failed = multi_gpu_checks(1, run=broken)
+    assert failed[0]["figure"] == "NCCL smoke test (1 rank) failed" and "unhandled system error" in failed[0]["note"]
+
+
+def test_layer_matmul_shapes_are_the_models_own():
+    from zeroplan.bench.gemm_check import layer_matmul_shapes
+    from zeroplan.specs.model import load_model
+
+    assert layer_matmul_shapes(load_model("llama-2-7b")) == [
+        ("q_proj", 4096, 4096), ("k_proj", 4096, 4096), ("v_proj", 4096, 4096), ("o_proj", 4096, 4096),
+        ("gate_proj", 4096, 11008), ("up_proj", 4096, 11008), ("down_proj", 11008, 4096), ("lm_head", 4096, 32000)]
+    gqa = dict((n, (k, o)) for n, k, o in layer_matmul_shapes(load_model("llama-3-8b")))
+    assert gqa["k_proj"] == (4096, 1024) and gqa["q_proj"] == (4096, 4096) and gqa["lm_head"] == (4096, 128256)
+
+
+def test_gemm_rows_set_measured_tflops_beside_the_compute_models_rate():
+    pytest.importorskip("torch")
+    from zeroplan.bench.gemm_check import measure_layer_gemms
+    from zeroplan.bench.validate import scaled_spec
+    from zeroplan.specs.hardware import load_profile
+    from zeroplan.specs.model import load_model
+
+    spec = scaled_spec(load_model("llama-2-7b"), layers=1, hidden=64)
+    hw = load_profile(str(REPO / "hardware_profiles" / "dgx-h100.toml"))
+    rows = measure_layer_gemms("cpu", spec, seq_len=16, micro_batch=2, precision="fp32", hardware=hw, iters=2)
+    assert [r["check"] for r in rows] == ["gemm"] * 9  # q k v o gate up down lm_head, then the layer
+    m = 2 * 16
+    shape = min(m, 64) / (min(m, 64) + 128)  # core/compute.py: m / (m + 128) for min(tokens, hidden)
+    planned = hw.gpu.peak_flops["fp32"] * 0.56 * shape / 1e12  # fp32 peak (torch keeps TF32 off), Hopper 0.56
+    assert all(r["predicted"] == pytest.approx(planned) and r["measured"] > 0 and r["unit"] == "TFLOP/s" for r in rows)
+    assert rows[0]["figure"] == f"q_proj ({m} × 64) @ (64 × 64) forward + backward"
+    assert rows[-1]["figure"] == f"one layer + LM head, m = {m} tokens" and "shape factor 0.200" in rows[-1]["note"]
+    assert measure_layer_gemms("cpu", spec, seq_len=16, micro_batch=2, precision="fp32", iters=1)[0]["predicted"] is None

@@ -325,7 +325,7 @@ def validation_rows(nproc: int, hardware: Any = None, *, run: Any = None) -> lis
     """`zeroplan validate`'s cpu-adam check: the per-core rate with ``nproc`` ranks (the node's GPUs)
     stepping at once, beside the profile's figure (or the default); skipped with the reason when
     DeepSpeed or its op build is missing."""
-    from zeroplan.bench.gpu_validate import _skip, row
+    from zeroplan.bench.validate_rows import row, skip_row as _skip
     from zeroplan.core.timing import CPU_ADAM_PARAMS_PER_S_PER_CORE
 
     predicted = getattr(getattr(hardware, "node", None), "cpu_adam_params_per_s_per_core", None)

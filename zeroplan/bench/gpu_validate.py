@@ -18,9 +18,12 @@ otherwise; ``predicted`` None when the planner has no such figure):
 - ``measure_deepspeed_virtual``: REAL DeepSpeed as rank 0 of a virtual ``n``-GPU job on
   real tensors: torch's fake process group answers every collective, so rank 0 allocates
   exactly what it would in an ``n``-rank job; compared with the planner at ``--gpus n``.
-- ``multi_gpu_checks``: with >= 2 GPUs, an NCCL collective sweep and α–β fit against the
-  profile, and how much of an all-gather hides behind matmuls (``bench/overlap.py``) against
-  the planner's slowdown; skipped with the reason otherwise.
+- ``gemm`` (bench/gemm_check.py): one layer's matmuls and the LM head timed at their training
+  shapes, TFLOP/s against the compute model's matmul rate on ``--hardware``.
+- ``multi_gpu_checks`` (bench/gpu_multi.py): on one GPU a one-rank NCCL smoke test of the
+  collective bench; with >= 2 GPUs, an NCCL collective sweep and α–β fit against the profile,
+  and how much of an all-gather hides behind matmuls (``bench/overlap.py``) against the
+  planner's slowdown.
 - ``cpu-adam`` (bench/cpu_adam.py ``validation_rows``): DeepSpeedCPUAdam's rate per core with one
   process per GPU stepping at once, against the profile's ``node.cpu_adam_params_per_s_per_core``.
 
@@ -33,25 +36,15 @@ from __future__ import annotations
 import platform
 from typing import Any, Callable
 
+from zeroplan.bench.gpu_multi import multi_gpu_checks
+from zeroplan.bench.validate_rows import row
+from zeroplan.bench.validate_rows import skip_row as _skip
+
 __all__ = ["row", "measure_context", "measure_optimizer_temps", "measure_layer_activations",
            "measure_engine_peak", "measure_deepspeed_virtual", "multi_gpu_checks", "run_validation",
            "OPTIMIZER_IMPLS"]
 
 OPTIMIZER_IMPLS = ("foreach", "fused", "fused_adam")
-
-
-def row(check: str, figure: str, predicted: float | None, measured: float | None, *, unit: str = "bytes",
-        note: str = "") -> dict[str, Any]:
-    """One predicted-vs-measured row (error = measured/predicted - 1 when both are there)."""
-    err = None
-    if predicted not in (None, 0) and measured is not None:
-        err = (measured - predicted) / predicted
-    return {"check": check, "figure": figure, "predicted": predicted, "measured": measured, "unit": unit,
-            "error": err, "note": note}
-
-
-def _skip(check: str, why: str) -> dict[str, Any]:
-    return row(check, "skipped", None, None, unit="", note=why)
 
 
 # ---------------------------------------------------------------------- context
@@ -286,44 +279,6 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
                 os.environ[k] = v
 
 
-# ---------------------------------------------------------------------- several GPUs
-def multi_gpu_checks(gpu_count: int, hardware: Any = None, *, run: Callable[..., Any] | None = None,
-                     run_overlap_fn: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
-    """An NCCL all-reduce / all-gather sweep over every GPU and its α–β fit vs the profile, and
-    the overlap slowdown (bench overlap) vs the planner's."""
-    if gpu_count < 2:
-        return [_skip("multi-gpu", f"{gpu_count} GPU(s): communicators, overlap and α–β need at least 2")]
-    from zeroplan.bench.collectives import BenchConfig, add_predictions, fit_tiers, run_collectives
-
-    cfg = BenchConfig(ops=["all_reduce", "all_gather", "reduce_scatter"], min_bytes=1 << 20, max_bytes=1 << 28,
-                      factor=4, dtype="bfloat16", warmup=5, iters=20)
-    report = (run or run_collectives)(cfg, nproc=gpu_count, backend="nccl", timeout_s=300)
-    if hardware is not None:
-        add_predictions(report, hardware)
-    rows = [row("multi-gpu", f"{r.op} {r.size_bytes:,} B busbw", r.predicted_busbw_GBps, r.busbw_GBps,
-                unit="GB/s") for r in report.results]
-    for tier, f in fit_tiers(report).items():
-        link = getattr(hardware, tier, None)
-        rows.append(row("multi-gpu", f"{tier} α–β bandwidth (R² {f.r2:.3f})",
-                        getattr(link, "effective_GBps_per_gpu", None), f.bandwidth_GBps, unit="GB/s"))
-        rows.append(row("multi-gpu", f"{tier} α–β latency", getattr(link, "latency_us", None), f.latency_us,
-                        unit="µs"))
-    from zeroplan.bench.overlap import OverlapConfig, run_overlap
-    from zeroplan.core.overlap import overlap_slowdown
-
-    try:  # a failed overlap run keeps the sweep's rows above
-        ov = (run_overlap_fn or run_overlap)(OverlapConfig(), nproc=gpu_count, backend="nccl", timeout_s=300)
-    except Exception as exc:  # noqa: BLE001 - reported as a row, like run_validation's other checks
-        return rows + [row("multi-gpu", "overlap slowdown failed", None, None, unit="",
-                           note=f"{type(exc).__name__}: {exc}"[:500])]
-    rows.append(row("multi-gpu", f"overlap slowdown: {ov.size_bytes:,} B all-gather beside {ov.gemms} matmuls",
-                    overlap_slowdown(hardware)[0], ov.slowdown, unit="fraction",
-                    note=f"alone {ov.comm_s * 1e3:.3f} ms and {ov.compute_s * 1e3:.3f} ms, together "
-                         f"{ov.both_s * 1e3:.3f} ms (bench overlap)"))
-    return rows
-
-
-# ---------------------------------------------------------------------- everything
 def environment(device: str) -> dict[str, Any]:
     """Versions and the device, for the report."""
     import torch
@@ -347,12 +302,14 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
                    hardware: Any = None, checks: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Every check on ``device``; returns {"environment", "inputs", "rows"}."""
     from zeroplan.bench.cpu_adam import validation_rows as cpu_adam_rows
+    from zeroplan.bench.gemm_check import measure_layer_gemms
     from zeroplan.bench.validate import _zero_config, predict, scaled_spec
     from zeroplan.specs.model import load_model
 
     full = load_model(model)
     spec = scaled_spec(full, layers=layers, hidden=hidden, vocab=None, experts=None)
-    want = set(checks or ("context", "optimizer", "activations", "engine", "deepspeed", "multi-gpu", "cpu-adam"))
+    want = set(checks or ("context", "optimizer", "activations", "gemm", "engine", "deepspeed", "multi-gpu",
+                          "cpu-adam"))
     rows: list[dict[str, Any]] = []
     plan1 = predict(spec, _zero_config(2, None), precision=precision, micro_batch=micro_batch, seq_len=seq_len,
                     grad_accum=1, n=1)
@@ -375,6 +332,8 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
         "optimizer": lambda: measure_optimizer_temps(device, predicted_per_element=per_el),
         "activations": lambda: measure_layer_activations(device, spec, seq_len=seq_len, micro_batch=micro_batch,
                                                          precision=precision),
+        "gemm": lambda: measure_layer_gemms(device, spec, seq_len=seq_len, micro_batch=micro_batch,
+                                            precision=precision, hardware=hardware),
         "engine": lambda: measure_engine_peak(device, spec, _zero_config(2, None), precision=precision,
                                               micro_batch=micro_batch, seq_len=seq_len, n=1, plan=plan1),
         "deepspeed": lambda: measure_deepspeed_virtual(device, spec, n=gpus, stage=2, precision=precision,

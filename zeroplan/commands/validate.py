@@ -17,7 +17,7 @@ from zeroplan.commands._common import console, handle_errors
 
 __all__ = ["register", "cuda_status"]
 
-_CHECKS = ("context", "optimizer", "activations", "engine", "deepspeed", "multi-gpu", "cpu-adam")
+_CHECKS = ("context", "optimizer", "activations", "gemm", "engine", "deepspeed", "multi-gpu", "cpu-adam")
 
 
 def cuda_status() -> tuple[bool, str]:

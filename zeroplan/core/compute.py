@@ -49,7 +49,7 @@ from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
 from zeroplan.specs.training import PrecisionPreset, TrainingSetup
 
 __all__ = ["ComputeEstimate", "GENERATIONS", "Generation", "eager_score_bytes", "flops_per_token", "gpu_generation", "estimate_compute",
-           "peak_flops"]
+           "matmul_rate", "peak_flops"]
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,15 @@ def _eager_attention_time_s(model: Any, training: TrainingSetup, hw: Any, tokens
     return t_matmul_s + elements * passes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
 
 
+def matmul_rate(hw: Any, training: TrainingSetup, hidden: int) -> tuple[float, float]:
+    """(FLOP/s the model's matmuls run at, the shape factor): peak × the generation's
+    ``gemm_fraction`` × m / (m + GEMM_HALF_DIM) for m the smaller of micro-batch × sequence and
+    the hidden size. ``zeroplan validate`` sets timed GEMMs of a layer's shapes beside it."""
+    small = min(training.micro_batch * training.seq_len, hidden)
+    shape = small / (small + GEMM_HALF_DIM)
+    return peak_flops(hw, training) * GENERATIONS[gpu_generation(hw.gpu.name)].gemm_fraction * shape, shape
+
+
 def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float | None = None,
                      work: MatmulWork = FULL_TRAINING) -> ComputeEstimate:
     """Compute time for ``grad_accum`` micro-steps of ``micro_batch × seq_len`` tokens on one GPU;
@@ -255,10 +264,8 @@ def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float
             attention_share=3 * fwd_att / model_flops if model_flops else 0.0, peak_flops=peak, mfu=mfu,
             source=f"--mfu {mfu:g} (override)", generation=gen.name,
             forward_time_s=t * fwd_share, backward_time_s=t * (1 - fwd_share))
-    m_tokens = training.micro_batch * training.seq_len
-    small = min(m_tokens, model.hidden_size)
-    shape = small / (small + GEMM_HALF_DIM)
-    t_mm = (fwd_mm + bwd_mm + re_mm) / (peak * gen.gemm_fraction * shape)
+    rate_mm, shape = matmul_rate(hw, training, model.hidden_size)
+    t_mm = (fwd_mm + bwd_mm + re_mm) / rate_mm
     # Known gap (issue 13, not applied): FlashAttention's benchmark (Dao-AILab/flash-attention
     # benchmarks/benchmark_flash_attention.py, flops()) counts a causal forward as half the square
     # and the backward as 2.5 forwards, so the cited rates imply ~0.58x this time for causal models.

@@ -33,11 +33,12 @@ from pydantic import BaseModel, Field
 from zeroplan._util import InputError
 
 __all__ = ["CpuAdamConfig", "CpuAdamReport", "physical_cores", "plan_threads", "cpu_adam_rank",
-           "aggregate_cpu_adam", "run_cpu_adam", "save_cpu_adam_profile", "BYTES_PER_PARAM",
+           "aggregate_cpu_adam", "run_cpu_adam", "save_cpu_adam_profile", "BYTES_PER_PARAM", "UPDATE_BYTES_PER_PARAM",
            "DEFAULT_PARAMS"]
 
 DEFAULT_PARAMS = 50_000_000  # per rank: 4 fp32 tensors of 200 MB each, far beyond any CPU cache
 BYTES_PER_PARAM = 16  # memory one rank holds per parameter: fp32 parameter, gradient, exp_avg, exp_avg_sq
+UPDATE_BYTES_PER_PARAM = 28  # traffic of one AdamW update: reads those four, writes parameter and moments back
 OPTIMIZERS = ("deepspeed", "torch")
 CPUINFO = "/proc/cpuinfo"  # the CPU topology and model name (Linux)
 
@@ -69,7 +70,7 @@ class CpuAdamReport(BaseModel):
     params_per_s_per_rank: float
     params_per_s_total: float
     params_per_s_per_core: float = Field(description="total / cores_used: node.cpu_adam_params_per_s_per_core")
-    memory_GBps: float = Field(description="fp32 traffic of the update (28 B per parameter) / step time, 1e9 B/s")
+    memory_GBps: float = Field(description="fp32 traffic of the update (UPDATE_BYTES_PER_PARAM) / step, 1e9 B/s")
     planner_default: float = Field(description="core/timing.py CPU_ADAM_PARAMS_PER_S_PER_CORE")
     profile_value: float | None = Field(None, description="--hardware's node.cpu_adam_params_per_s_per_core")
     warnings: list[str] = Field(default_factory=list)
@@ -222,9 +223,10 @@ def _load_deepspeed_op() -> tuple[str, str]:
     try:
         builder.load(verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise InputError(f"bench cpu-adam: DeepSpeed's cpu_adam op could not be built or loaded "
-                         f"({type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}); "
-                         f"it needs a C++ compiler and ninja (pip install ninja)") from None
+                         f"({type(exc).__name__}: {first}); it needs a C++ compiler and ninja (pip install ninja)"
+                         ) from None
     simd = str(builder.simd_width()).replace("-D__", "").replace("__", "")
     return f"deepspeed {deepspeed.__version__}", simd
 
@@ -260,7 +262,7 @@ def aggregate_cpu_adam(per_rank: list[dict[str, Any]], cfg: CpuAdamConfig, *, th
         nproc=nproc, threads=threads, cores_used=cores_used, bind_cores=cfg.bind_cores, params=cfg.params,
         warmup=cfg.warmup, iters=cfg.iters, step_s=step_s, step_s_by_rank=by_rank,
         params_per_s_per_rank=per_rank_rate, params_per_s_total=total, params_per_s_per_core=total / cores_used,
-        memory_GBps=28 * total / 1e9, planner_default=planner_default, profile_value=profile_value,
+        memory_GBps=UPDATE_BYTES_PER_PARAM * total / 1e9, planner_default=planner_default, profile_value=profile_value,
         warnings=warnings)
 
 

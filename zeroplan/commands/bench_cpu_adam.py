@@ -16,6 +16,8 @@ __all__ = ["cpu_adam"]
 
 
 def _render(report: Any, saved: str | None) -> None:
+    from zeroplan.bench.cpu_adam import UPDATE_BYTES_PER_PARAM
+
     out = console()
     name = "DeepSpeedCPUAdam" if report.optimizer == "deepspeed" else "torch.optim.AdamW"
     simd = f", {report.simd}" if report.simd else ""
@@ -27,7 +29,7 @@ def _render(report: Any, saved: str | None) -> None:
               f"{min(report.step_s_by_rank) * 1e3:.2f}–{max(report.step_s_by_rank) * 1e3:.2f} ms)", highlight=False)
     out.print(f"  per rank        {report.params_per_s_per_rank:10.3g} parameters/s", highlight=False)
     out.print(f"  node            {report.params_per_s_total:10.3g} parameters/s   "
-              f"({report.memory_GBps:.3g} GB/s of fp32 traffic at 28 B per parameter)", highlight=False)
+              f"({report.memory_GBps:.3g} GB/s of fp32 traffic at {UPDATE_BYTES_PER_PARAM} B per parameter)", highlight=False)
     out.print(f"  per core        {report.params_per_s_per_core:10.3g} parameters/s   "
               f"node.cpu_adam_params_per_s_per_core", highlight=False)
     ref = f"the planner's default is {report.planner_default:.3g}"

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import typer
 
 from zeroplan._util import InputError, parse_count
+from zeroplan.bench.cpu_adam import CpuAdamConfig  # pydantic only: torch and DeepSpeed load in the command
 from zeroplan.commands._common import console, err_console, handle_errors
 
 __all__ = ["cpu_adam"]
@@ -52,17 +53,17 @@ def cpu_adam(
     threads: Optional[int] = typer.Option(None, "--threads",
                                           help="OpenMP threads per process. Default: the physical cores divided "
                                                "among the processes."),
-    params: str = typer.Option("50M", "--params",
+    params: str = typer.Option(str(CpuAdamConfig().params), "--params",
                                help="fp32 parameters per process (its optimizer partition), e.g. 50M, 2e8; "
                                     "16 bytes each."),
-    optimizer: str = typer.Option("deepspeed", "--optimizer",
+    optimizer: str = typer.Option(CpuAdamConfig().optimizer, "--optimizer",
                                   help="deepspeed (DeepSpeedCPUAdam, what ZeRO-Offload runs) or torch "
                                        "(torch.optim.AdamW, for comparison)."),
     bind_cores: bool = typer.Option(False, "--bind-cores",
                                     help="Pin each process to its own physical cores, as DeepSpeed's "
                                          "--bind_cores_to_rank does."),
-    warmup: int = typer.Option(2, "--warmup", help="Untimed steps per process."),
-    iters: int = typer.Option(5, "--iters", help="Timed steps per process."),
+    warmup: int = typer.Option(CpuAdamConfig().warmup, "--warmup", help="Untimed steps per process."),
+    iters: int = typer.Option(CpuAdamConfig().iters, "--iters", help="Timed steps per process."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before hung processes are killed."),
     save_profile: Optional[str] = typer.Option(None, "--save-profile",
                                                help="Write --hardware's profile with "
@@ -85,7 +86,7 @@ def cpu_adam(
     from zeroplan.commands.bench import check_profile_paths, emit_report, require_torch, run_ranks
 
     require_torch("bench cpu-adam")
-    from zeroplan.bench.cpu_adam import CpuAdamConfig, run_cpu_adam, save_cpu_adam_profile
+    from zeroplan.bench.cpu_adam import run_cpu_adam, save_cpu_adam_profile
     from zeroplan.runtime.launch import check_timeout
 
     check_profile_paths(save_profile, output, hardware)

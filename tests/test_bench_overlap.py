@@ -66,7 +66,7 @@ def test_resolve_config_defaults_by_device_and_rejects_bad_settings():
                                                        "dtype": "bfloat16"}
     assert resolve_config(OverlapConfig(hidden=128), "cpu")["hidden"] == 128
     for bad, needle in ((OverlapConfig(hidden=0), "--hidden 0"), (OverlapConfig(dtype="int8"), "--dtype 'int8'"),
-                        (OverlapConfig(iters=0), "--iters 0")):
+                        (OverlapConfig(iters=0), "--iters 0"), (OverlapConfig(op="broadcast"), "--op 'broadcast'")):
         with pytest.raises(InputError, match=needle):
             resolve_config(bad, "cpu")
 
@@ -83,6 +83,20 @@ def test_run_on_two_gloo_ranks_measures_every_figure():
     assert rep.compute_s > 0 and rep.comm_s > 0 and rep.both_s > 0
     assert 0.0 <= rep.slowdown <= 1.0
     assert rep.gemm_flops == 2 * 64 * 64 * 256
+
+
+def test_reduce_scatter_run_on_two_gloo_ranks_reports_its_own_bus_bandwidth(tmp_path):
+    pytest.importorskip("torch")
+    from zeroplan.bench.overlap import OverlapConfig, run_overlap, save_overlap_profile
+    from zeroplan.specs.collectives import busbw_factor
+    from zeroplan.specs.hardware import load_profile
+
+    rep = run_overlap(OverlapConfig(op="reduce_scatter", hidden=64, tokens=64, size_bytes=1 << 16, warmup=1,
+                                    iters=2), nproc=2, backend="gloo", timeout_s=120)
+    assert rep.op == "reduce_scatter" and rep.size_bytes == 1 << 16 and 0.0 <= rep.slowdown <= 1.0
+    assert rep.busbw_GBps == pytest.approx((1 << 16) * busbw_factor("reduce_scatter", 2) / rep.comm_s / 1e9)
+    save_overlap_profile(rep, str(tmp_path / "p.toml"), PROFILE)
+    assert "reduce-scatter of 65536 B" in load_profile(str(tmp_path / "p.toml")).sources["node.overlap_slowdown"]
 
 
 # ------------------------------------------------------------------ the profile field

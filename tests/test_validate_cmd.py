@@ -279,3 +279,30 @@ def test_gemm_rows_set_measured_tflops_beside_the_compute_models_rate():
     assert rows[0]["figure"] == f"q_proj ({m} × 64) @ (64 × 64) forward + backward"
     assert rows[-1]["figure"] == f"one layer + LM head, m = {m} tokens" and "shape factor 0.200" in rows[-1]["note"]
     assert measure_layer_gemms("cpu", spec, seq_len=16, micro_batch=2, precision="fp32", iters=1)[0]["predicted"] is None
+
+
+def test_two_gpus_time_both_overlaps_and_a_failed_one_keeps_the_other_rows():
+    from zeroplan.bench.gpu_multi import multi_gpu_checks
+    from zeroplan.bench.overlap import OverlapConfig, aggregate_overlap
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_bench_ux import _report
+
+    one = {"hostname": "h", "local_rank": 0, "device": "H100", "gemms": 4, "gathered_bytes": 1 << 28,
+           "settings": {"hidden": 4096, "tokens": 4096, "size_bytes": 1 << 28, "dtype": "bfloat16"},
+           "compute_s": 0.010, "comm_s": 0.004, "both_s": 0.0112}
+    ops = []
+
+    def overlap(cfg, **kw):
+        ops.append(cfg.op)
+        if cfg.op == "reduce_scatter":
+            raise RuntimeError("NCCL watchdog timeout")
+        return aggregate_overlap([{**one, "rank": 0}, {**one, "rank": 1}], cfg, backend="nccl", launcher="local")
+
+    rows = multi_gpu_checks(2, None, run=lambda cfg, **kw: _report({1 << 20: 30e-6, 1 << 24: 90e-6}),
+                            run_overlap_fn=overlap)
+    assert ops == ["all_gather", "reduce_scatter"]
+    assert sum(r["figure"].endswith("busbw") for r in rows) == 2  # the sweep's rows stay
+    ag = [r for r in rows if r["figure"].startswith("overlap slowdown: ")]
+    assert len(ag) == 1 and "all-gather beside 4 matmuls" in ag[0]["figure"] and ag[0]["measured"] == pytest.approx(0.3)
+    assert rows[-1]["figure"] == "overlap slowdown (reduce-scatter) failed" and "watchdog" in rows[-1]["note"]

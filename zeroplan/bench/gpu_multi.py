@@ -30,8 +30,9 @@ def nccl_smoke(*, run: Callable[..., Any] | None = None) -> list[dict[str, Any]]
 
 def multi_gpu_checks(gpu_count: int, hardware: Any = None, *, run: Callable[..., Any] | None = None,
                      run_overlap_fn: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
-    """An NCCL all-reduce / all-gather sweep over every GPU and its α–β fit vs the profile, and
-    the overlap slowdown (bench overlap) vs the planner's."""
+    """On one GPU the NCCL smoke test; on more, an NCCL all-reduce / all-gather / reduce-scatter
+    sweep over every GPU and its α–β fit vs the profile, and the overlap slowdown of an all-gather
+    and of a reduce-scatter (bench overlap) vs the planner's."""
     if gpu_count < 2:
         smoke = nccl_smoke(run=run) if gpu_count == 1 else []
         return smoke + [skip_row("multi-gpu", f"{gpu_count} GPU(s): a sweep over links, overlap and α–β need "
@@ -51,19 +52,26 @@ def multi_gpu_checks(gpu_count: int, hardware: Any = None, *, run: Callable[...,
                         getattr(link, "effective_GBps_per_gpu", None), f.bandwidth_GBps, unit="GB/s"))
         rows.append(row("multi-gpu", f"{tier} α–β latency", getattr(link, "latency_us", None), f.latency_us,
                         unit="µs"))
-    from zeroplan.bench.overlap import OverlapConfig, run_overlap
+    return rows + _overlap_rows(gpu_count, hardware, run_overlap_fn)
+
+
+def _overlap_rows(gpu_count: int, hardware: Any, run_overlap_fn: Callable[..., Any] | None) -> list[dict[str, Any]]:
+    """bench overlap's slowdown for an all-gather (ZeRO-3's prefetch) and a reduce-scatter (its
+    gradient buckets) beside matmuls, against the planner's; a failed run is a row of its own."""
+    from zeroplan.bench.overlap import OPS, OverlapConfig, run_overlap
     from zeroplan.core.overlap import overlap_slowdown
 
-    try:  # a failed overlap run keeps the sweep's rows above
-        ov = (run_overlap_fn or run_overlap)(OverlapConfig(), nproc=gpu_count, backend="nccl", timeout_s=300)
-    except Exception as exc:  # noqa: BLE001 - reported as a row, like run_validation's other checks
-        return rows + [row("multi-gpu", "overlap slowdown failed", None, None, unit="",
-                           note=f"{type(exc).__name__}: {exc}"[:500])]
-    rows.append(row("multi-gpu", f"overlap slowdown: {ov.size_bytes:,} B all-gather beside {ov.gemms} matmuls",
-                    overlap_slowdown(hardware)[0], ov.slowdown, unit="fraction",
-                    note=f"alone {ov.comm_s * 1e3:.3f} ms and {ov.compute_s * 1e3:.3f} ms, together "
-                         f"{ov.both_s * 1e3:.3f} ms (bench overlap)"))
+    rows = []
+    for op in OPS:
+        name = op.replace("_", "-")
+        try:
+            ov = (run_overlap_fn or run_overlap)(OverlapConfig(op=op), nproc=gpu_count, backend="nccl", timeout_s=300)
+        except Exception as exc:  # noqa: BLE001 - reported as a row, like run_validation's other checks
+            rows.append(row("multi-gpu", f"overlap slowdown ({name}) failed", None, None, unit="",
+                            note=f"{type(exc).__name__}: {exc}"[:500]))
+            continue
+        rows.append(row("multi-gpu", f"overlap slowdown: {ov.size_bytes:,} B {name} beside {ov.gemms} matmuls",
+                        overlap_slowdown(hardware)[0], ov.slowdown, unit="fraction",
+                        note=f"alone {ov.comm_s * 1e3:.3f} ms and {ov.compute_s * 1e3:.3f} ms, together "
+                             f"{ov.both_s * 1e3:.3f} ms (bench overlap --op {op})"))
     return rows
-
-
-# ---------------------------------------------------------------------- everything

@@ -9,13 +9,15 @@ Each rank measures:
 
 - ``compute_s``: ``gemms`` matmuls of a transformer MLP's shape, (tokens × hidden) @ (hidden ×
   4·hidden), alone on the compute stream;
-- ``comm_s``: one all-gather of ``size_bytes`` (the full output buffer, as in the ledger) alone;
-- ``both_s``: the all-gather issued first from a side stream (CUDA; DeepSpeed's
-  ``__allgather_stream``) or as an async work (gloo runs it on its own thread), then the matmuls
-  on the compute stream, then both waited for.
+- ``comm_s``: one all-gather of ``size_bytes`` (the full output buffer, as in the ledger) alone,
+  or with ``op="reduce_scatter"`` one reduce-scatter of a ``size_bytes`` bucket (ZeRO's gradient
+  buckets, which run beside the next layers' backward);
+- ``both_s``: the collective issued first from a side stream (CUDA; DeepSpeed's
+  ``__allgather_stream`` and ``reduce_and_partition_stream``) or as an async work (gloo runs it on
+  its own thread), then the matmuls on the compute stream, then both waited for.
 
 ``gemms`` is chosen (the same on every rank) so the matmuls take about ``COVER`` times the
-all-gather: there is compute to hide the whole collective behind. Each time is the slowest rank's
+collective: there is compute to hide the whole collective behind. Each time is the slowest rank's
 mean over ``iters`` repetitions (a collective ends with its last rank). The slowdown is the part of
 the shorter activity that did not hide, ``(both_s − max(compute_s, comm_s)) / min(compute_s,
 comm_s)`` clamped to [0, 1]: 0 = hidden for free, 1 = serialised. That is the planner's
@@ -38,9 +40,10 @@ from zeroplan._util import InputError
 from zeroplan.bench.collectives import DTYPE_BYTES
 
 __all__ = ["OverlapConfig", "OverlapReport", "slowdown_fraction", "resolve_config", "overlap_rank",
-           "aggregate_overlap", "run_overlap", "save_overlap_profile", "COVER"]
+           "aggregate_overlap", "run_overlap", "save_overlap_profile", "COVER", "OPS"]
 
-COVER = 2.0  # matmul time / all-gather time the calibration aims for
+COVER = 2.0  # matmul time / collective time the calibration aims for
+OPS = ("all_gather", "reduce_scatter")
 MAX_GEMMS = 10_000
 # Shapes by device: a Llama-7B-like MLP matmul and a 256 MiB gather (a ZeRO-3 prefetch of a few
 # layers) on CUDA; a small shape on CPU, where gloo and the matmul share a few cores.
@@ -55,13 +58,16 @@ class OverlapConfig(BaseModel):
 
     hidden: int | None = None
     tokens: int | None = None
-    size_bytes: int | None = Field(None, description="all-gather output (full buffer), bytes")
+    size_bytes: int | None = Field(None, description="the collective's full buffer (all-gather output, "
+                                                      "reduce-scatter input), bytes")
     dtype: str | None = None
+    op: str = "all_gather"  # or reduce_scatter (ZeRO's gradient buckets behind the backward)
     warmup: int = 3
     iters: int = 10
 
 
 class OverlapReport(BaseModel):
+    op: str = "all_gather"
     world_size: int
     backend: str
     launcher: str
@@ -69,17 +75,17 @@ class OverlapReport(BaseModel):
     dtype: str
     hidden: int
     tokens: int
-    gemms: int = Field(description="matmuls per measurement (calibrated to cover the all-gather)")
+    gemms: int = Field(description="matmuls per measurement (calibrated to cover the collective)")
     gemm_flops: float = Field(description="FLOPs of one matmul, 2·tokens·hidden·4·hidden")
     size_bytes: int
     warmup: int
     iters: int
     compute_s: float = Field(description="the matmuls alone, slowest rank's mean")
-    comm_s: float = Field(description="the all-gather alone, slowest rank's mean")
-    both_s: float = Field(description="all-gather and matmuls issued together, slowest rank's mean")
+    comm_s: float = Field(description="the collective alone, slowest rank's mean")
+    both_s: float = Field(description="the collective and the matmuls issued together, slowest rank's mean")
     slowdown: float = Field(description="(both - max) / min, in [0, 1]: 0 hidden for free, 1 serialised")
     compute_tflops: float = Field(description="matmul throughput alone, 1e12 FLOP/s")
-    busbw_GBps: float = Field(description="all-gather bus bandwidth alone, 1e9 B/s")
+    busbw_GBps: float = Field(description="the collective's bus bandwidth alone, 1e9 B/s")
     planner_default: float = Field(description="core/overlap.py OVERLAP_SLOWDOWN, used without a measurement")
     ranks: list[dict[str, Any]]
     warnings: list[str] = Field(default_factory=list)
@@ -105,6 +111,8 @@ def resolve_config(cfg: OverlapConfig, device: str) -> dict[str, Any]:
         raise InputError(f"--dtype {out['dtype']!r}: expected one of {', '.join(DTYPE_BYTES)}")
     if cfg.iters < 1 or cfg.warmup < 0:
         raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
+    if cfg.op not in OPS:
+        raise InputError(f"--op {cfg.op!r}: expected one of {', '.join(OPS)}")
     return out
 
 
@@ -114,7 +122,7 @@ def overlap_rank(rank: int, world_size: int, cfg_json: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from zeroplan.runtime.comm import all_gather_fn
+    from zeroplan.runtime.comm import all_gather_fn, reduce_scatter_fn
 
     cfg = OverlapConfig.model_validate_json(cfg_json)
     cuda = dist.get_backend() == "nccl"
@@ -126,9 +134,18 @@ def overlap_rank(rank: int, world_size: int, cfg_json: str) -> dict[str, Any]:
     b = torch.randn(h, 4 * h, dtype=dtype, device=device) / math.sqrt(h)
     c = torch.empty(t, 4 * h, dtype=dtype, device=device)
     count = max(world_size, s["size_bytes"] // DTYPE_BYTES[s["dtype"]] // world_size * world_size)
-    gathered = torch.empty(count, dtype=dtype, device=device)
+    full = torch.ones(count, dtype=dtype, device=device)  # the gathered buffer, or the gradient bucket
     shard = torch.ones(count // world_size, dtype=dtype, device=device)
-    gather = all_gather_fn(dist)
+    if cfg.op == "reduce_scatter":
+        scatter = reduce_scatter_fn(dist)
+
+        def collective(async_op: bool = False) -> Any:
+            return scatter(shard, full, async_op=async_op)
+    else:
+        gather = all_gather_fn(dist)
+
+        def collective(async_op: bool = False) -> Any:
+            return gather(full, shard, async_op=async_op)
 
     def sync() -> None:
         if cuda:
@@ -149,7 +166,7 @@ def overlap_rank(rank: int, world_size: int, cfg_json: str) -> dict[str, Any]:
         for _ in range(k):
             torch.mm(a, b, out=c)
 
-    comm_s = timed(lambda: gather(gathered, shard), cfg.iters)
+    comm_s = timed(collective, cfg.iters)
     one_gemm_s = timed(lambda: gemms(1), cfg.iters)
     k = _agree_max(min(MAX_GEMMS, max(1, math.ceil(COVER * comm_s / max(one_gemm_s, 1e-9)))), device)
     compute_s = timed(lambda: gemms(k), cfg.iters)
@@ -160,12 +177,12 @@ def overlap_rank(rank: int, world_size: int, cfg_json: str) -> dict[str, Any]:
             main = torch.cuda.current_stream()
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                gather(gathered, shard)  # NCCL's stream waits for `side`, and `side` for NCCL's
+                collective()  # NCCL's stream waits for `side`, and `side` for NCCL's
             gemms(k)
             main.wait_stream(side)
     else:
         def both() -> None:
-            work = gather(gathered, shard, async_op=True)  # gloo runs it on its own thread
+            work = collective(async_op=True)  # gloo runs it on its own thread
             gemms(k)
             work.wait()
     both_s = timed(both, cfg.iters)
@@ -200,20 +217,21 @@ def aggregate_overlap(per_rank: list[dict[str, Any]], cfg: OverlapConfig, *, bac
     flops = 2.0 * s["tokens"] * s["hidden"] * 4 * s["hidden"]
     size = int(first["gathered_bytes"])
     warnings = []
+    name = cfg.op.replace("_", "-")
     if world < 2:
-        warnings.append("one rank: the all-gather is a local copy, not network traffic; run with at least 2 ranks "
-                        "(2 GPUs, or torchrun across nodes) to measure what a ZeRO-3 gather costs")
+        warnings.append(f"one rank: the {name} is a local copy, not network traffic; run with at least 2 ranks "
+                        "(2 GPUs, or torchrun across nodes) to measure what a ZeRO collective costs")
     if compute_s < comm_s:
-        warnings.append(f"the matmuls ({compute_s * 1e3:.3g} ms) are shorter than the all-gather "
+        warnings.append(f"the matmuls ({compute_s * 1e3:.3g} ms) are shorter than the {name} "
                         f"({comm_s * 1e3:.3g} ms): the slowdown is the part of the matmuls that did not hide; "
                         f"raise --tokens or lower --size")
     return OverlapReport(
-        world_size=world, backend=backend, launcher=launcher, device=first["device"], dtype=s["dtype"],
+        op=cfg.op, world_size=world, backend=backend, launcher=launcher, device=first["device"], dtype=s["dtype"],
         hidden=s["hidden"], tokens=s["tokens"], gemms=first["gemms"], gemm_flops=flops, size_bytes=size,
         warmup=cfg.warmup, iters=cfg.iters, compute_s=compute_s, comm_s=comm_s, both_s=both_s,
         slowdown=slowdown_fraction(compute_s, comm_s, both_s),
         compute_tflops=flops * first["gemms"] / compute_s / 1e12 if compute_s > 0 else 0.0,
-        busbw_GBps=size * busbw_factor("all_gather", world) / comm_s / 1e9 if comm_s > 0 else 0.0,
+        busbw_GBps=size * busbw_factor(cfg.op, world) / comm_s / 1e9 if comm_s > 0 else 0.0,
         planner_default=OVERLAP_SLOWDOWN,
         ranks=[{k: r[k] for k in ("rank", "hostname", "local_rank", "device", "compute_s", "comm_s", "both_s")}
                for r in per_rank],
@@ -244,7 +262,8 @@ def save_overlap_profile(report: OverlapReport, path: str, hardware: str) -> Any
 
     base = hw.load_profile(hardware)
     note = (f"measured by zeroplan bench overlap on {date.today().isoformat()}: {report.backend}, "
-            f"{report.world_size} rank(s) on {report.device}, all-gather of {report.size_bytes} B beside "
+            f"{report.world_size} rank(s) on {report.device}, {report.op.replace('_', '-')} of {report.size_bytes} B "
+            f"beside "
             f"{report.gemms} x ({report.tokens} x {report.hidden}) @ ({report.hidden} x {4 * report.hidden}) "
             f"{report.dtype} matmuls: alone {report.comm_s:.6g} s and {report.compute_s:.6g} s, together "
             f"{report.both_s:.6g} s, {report.iters} iterations")

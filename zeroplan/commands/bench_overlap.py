@@ -20,15 +20,18 @@ def _render(report: Any, saved: str | None) -> None:
     out = console()
     out.print(f"bench overlap — {report.backend}, {report.world_size} rank(s), {report.device}, {report.dtype}, "
               f"{report.iters} iters", highlight=False)
-    out.print(f"  compute alone   {report.compute_s * 1e3:10.3f} ms   {report.gemms} × ({report.tokens} × "
+    what = "output" if report.op == "all_gather" else "input"
+    label = {"compute": "compute alone", "comm": report.op.replace("_", "-") + " alone", "both": "both together"}
+    w = max(len(v) for v in label.values()) + 1
+    out.print(f"  {label['compute']:{w}}{report.compute_s * 1e3:10.3f} ms   {report.gemms} × ({report.tokens} × "
               f"{report.hidden}) @ ({report.hidden} × {4 * report.hidden}), {report.compute_tflops:.3g} TFLOP/s",
               highlight=False)
-    out.print(f"  all-gather alone{report.comm_s * 1e3:10.3f} ms   {_fmt_size(report.size_bytes)} output, busbw "
+    out.print(f"  {label['comm']:{w}}{report.comm_s * 1e3:10.3f} ms   {_fmt_size(report.size_bytes)} {what}, busbw "
               f"{report.busbw_GBps:.3g} GB/s", highlight=False)
-    out.print(f"  both together   {report.both_s * 1e3:10.3f} ms   (hidden for free: "
+    out.print(f"  {label['both']:{w}}{report.both_s * 1e3:10.3f} ms   (hidden for free: "
               f"{max(report.compute_s, report.comm_s) * 1e3:.3f} ms; serialised: "
               f"{(report.compute_s + report.comm_s) * 1e3:.3f} ms)", highlight=False)
-    out.print(f"  slowdown        {report.slowdown:10.3f}      of the hidden time is lost (0 = hidden for free, "
+    out.print(f"  {'slowdown':{w}}{report.slowdown:10.3f}      of the hidden time is lost (0 = hidden for free, "
               f"1 = nothing hides); the planner's default is {report.planner_default:g}", highlight=False)
     out.print("slowdown = (together − the longer alone) / the shorter alone; each time is the slowest rank's mean.",
               highlight=False)
@@ -44,8 +47,11 @@ def overlap(
                                               "Default 4096 on CUDA, 256 on CPU."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Matmul rows (micro-batch × sequence). "
                                                                 "Default 4096 on CUDA, 256 on CPU."),
-    size: Optional[str] = typer.Option(None, "--size", help="All-gather output size (bytes; K/M/G = 2^10/2^20/2^30). "
+    size: Optional[str] = typer.Option(None, "--size", help="The collective's full buffer (all-gather output, "
+                                                            "reduce-scatter input; bytes, K/M/G = 2^10/2^20/2^30). "
                                                             "Default 256M on CUDA, 4M on CPU."),
+    op: str = typer.Option("all_gather", "--op", help="all_gather (ZeRO-3's parameter prefetch) or reduce_scatter "
+                                                      "(its gradient buckets behind the backward)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default bfloat16 on "
                                                               "CUDA, float32 on CPU)."),
     warmup: int = typer.Option(3, "--warmup", help="Untimed repetitions before each measurement."),
@@ -63,8 +69,8 @@ def overlap(
     """Time an all-gather and a run of matmuls alone and together: how much communication hides.
 
     ZeRO-3 gathers the next module's parameters on a side stream while the current module
-    computes; the planner charges a fraction of that hidden time back to compute (0.15 by
-    default). This measures the fraction on your node: 0 = the collective hides for free,
+    computes (and reduce-scatters gradient buckets beside the backward: --op reduce_scatter);
+    the planner charges a fraction of that hidden time back to compute (0.15 by default). This measures the fraction on your node: 0 = the collective hides for free,
     1 = it serialises with compute. The matmul count is calibrated so compute covers the
     collective twice over. Run it across nodes under torchrun for the inter-node figure, then
     --save-profile PATH --hardware BASE so every plan on that profile uses it.
@@ -76,7 +82,7 @@ def overlap(
     from zeroplan.bench.overlap import OverlapConfig, run_overlap, save_overlap_profile
     from zeroplan.runtime.launch import check_timeout
 
-    cfg = OverlapConfig(hidden=hidden, tokens=tokens, dtype=dtype, warmup=warmup, iters=iters,
+    cfg = OverlapConfig(hidden=hidden, tokens=tokens, dtype=dtype, warmup=warmup, iters=iters, op=op.replace("-", "_"),
                         size_bytes=None if size is None else parse_size(size, "--size"))
     check_profile_paths(save_profile, output, hardware)
     check_timeout(timeout)

@@ -42,7 +42,8 @@ DEFAULT_MFU: float | None = None  # None: the compute model (core/compute.py) se
 # fp32 per parameter (ops/adam cpu_adam: reads parameter, gradient, exp_avg, exp_avg_sq; writes three
 # back), so with every rank stepping at once a node is bound by its memory bandwidth, not its cores:
 # ~300 GB/s sustained (75% of a two-socket DDR4-3200 host's 409.6 GB/s) / 28 B / 128 cores = 8e7.
-# One core alone runs ~1e9 (bench cpu-adam on AVX-512 EPYC, examples/validation/cpu-adam/).
+# One core alone runs ~1.6e9, ~1e9 each with two busy (bench cpu-adam, AVX-512 EPYC VM:
+# examples/validation/cpu-adam/).
 CPU_ADAM_PARAMS_PER_S_PER_CORE = 8.0e7
 CPU_ADAM_SOURCE = ("bandwidth-bound estimate: 28 B of fp32 per parameter and step at ~300 GB/s of host memory "
                    "bandwidth over 128 cores = 8e7 parameters/s per core when every rank steps at once; not "

@@ -32,7 +32,7 @@ _BOUNDS: dict[str, tuple[float, float, str, str, bool]] = {
     "node.nvme_capacity_bytes": (GB, 10**16, "1 GB to 10 PB per node in bytes, or 0 for no NVMe",
                                  "bytes, not GB or TB?", True),
     "node.cpu_cores": (1, 10000, "1 to 10000 physical cores", "", False),
-    # One AVX-512 core alone streams DeepSpeedCPUAdam at about 2e9 parameters/s (56 GB/s of fp32
+    # One AVX-512 core alone streams DeepSpeedCPUAdam at about 1.6e9 parameters/s (44 GB/s of fp32
     # traffic; bench cpu-adam, examples/validation/cpu-adam/); 1e10 rejects a per-node figure.
     "node.cpu_adam_params_per_s_per_core": (1e5, 1e10, "1e5 to 1e10 parameters/s per core",
                                             "parameters per second per core, not per node?", False),

@@ -86,8 +86,8 @@ def cpu_adam(
     from zeroplan.commands.bench import check_profile_paths, emit_report, require_torch, run_ranks
 
     require_torch("bench cpu-adam")
-    from zeroplan.bench.cpu_adam import run_cpu_adam, save_cpu_adam_profile
-    from zeroplan.runtime.launch import check_timeout
+    from zeroplan.bench.cpu_adam import check_config, run_cpu_adam, save_cpu_adam_profile
+    from zeroplan.runtime.launch import check_timeout, check_world_size
 
     check_profile_paths(save_profile, output, hardware)
     if save_profile is not None and optimizer != "deepspeed":
@@ -103,6 +103,8 @@ def cpu_adam(
         nproc = base.node.gpus_per_node if base is not None else 1
     cfg = CpuAdamConfig(params=parse_count(params, "--params"), threads=threads, warmup=warmup, iters=iters,
                         optimizer=optimizer, bind_cores=bind_cores)
+    check_world_size(nproc)
+    check_config(cfg, nproc)  # bad settings: one line before the progress line and any process
     if not json_out:  # progress on stderr: stdout stays the report
         err_console().print(f"bench cpu-adam: {nproc} process(es) × {cfg.params:,} parameters"
                         f"{' (DeepSpeed builds its cpu_adam op on first use)' if optimizer == 'deepspeed' else ''} …",

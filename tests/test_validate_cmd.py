@@ -306,3 +306,24 @@ def test_two_gpus_time_both_overlaps_and_a_failed_one_keeps_the_other_rows():
     ag = [r for r in rows if r["figure"].startswith("overlap slowdown: ")]
     assert len(ag) == 1 and "all-gather beside 4 matmuls" in ag[0]["figure"] and ag[0]["measured"] == pytest.approx(0.3)
     assert rows[-1]["figure"] == "overlap slowdown (reduce-scatter) failed" and "watchdog" in rows[-1]["note"]
+
+
+def test_pcie_rows_time_one_gpu_and_then_all_at_once_in_both_directions():
+    from zeroplan.bench.pcie_check import measure_pcie, pcie_rows
+
+    calls = []
+
+    def fake_round(devices, direction):  # 10 ms for one GPU, 20 ms when 4 share the host
+        calls.append((tuple(devices), direction))
+        return 0.010 if len(devices) == 1 else 0.020
+
+    rows = pcie_rows(fake_round, 4, 63.0, size_bytes=500_000_000, iters=3)
+    assert [r["figure"] for r in rows] == [
+        "host to GPU, one GPU alone: GB/s per GPU", "GPU to host, one GPU alone: GB/s per GPU",
+        "host to GPU, 4 GPUs at once: GB/s per GPU", "GPU to host, 4 GPUs at once: GB/s per GPU"]
+    assert [r["measured"] for r in rows] == [pytest.approx(50.0)] * 2 + [pytest.approx(25.0)] * 2
+    assert all(r["predicted"] == 63.0 and r["unit"] == "GB/s" for r in rows)
+    assert rows[0]["error"] == pytest.approx(50 / 63 - 1)
+    assert len(calls) == 4 * (1 + 3) and calls[0] == ((0,), "h2d")  # a warm-up round, then 3 timed
+    assert len(pcie_rows(fake_round, 1, None, iters=1)) == 2  # one GPU: no "at once" rows
+    assert measure_pcie("cpu")[0]["figure"] == "skipped"

@@ -24,6 +24,8 @@ otherwise; ``predicted`` None when the planner has no such figure):
   collective bench; with >= 2 GPUs, an NCCL collective sweep and α–β fit against the profile,
   and how much of an all-gather hides behind matmuls (``bench/overlap.py``) against the
   planner's slowdown.
+- ``pcie`` (bench/pcie_check.py): pinned host <-> GPU copy bandwidth, one GPU alone and all at
+  once, against the profile's ``node.pcie_bandwidth_GBps_per_gpu``.
 - ``cpu-adam`` (bench/cpu_adam.py ``validation_rows``): DeepSpeedCPUAdam's rate per core with one
   process per GPU stepping at once, against the profile's ``node.cpu_adam_params_per_s_per_core``.
 
@@ -42,9 +44,11 @@ from zeroplan.bench.validate_rows import skip_row as _skip
 
 __all__ = ["row", "measure_context", "measure_optimizer_temps", "measure_layer_activations",
            "measure_engine_peak", "measure_deepspeed_virtual", "multi_gpu_checks", "run_validation",
-           "OPTIMIZER_IMPLS"]
+           "OPTIMIZER_IMPLS", "CHECKS"]
 
 OPTIMIZER_IMPLS = ("foreach", "fused", "fused_adam")
+# every check run_validation knows, in the order it runs them (`zeroplan validate --checks`)
+CHECKS = ("context", "optimizer", "activations", "gemm", "engine", "deepspeed", "multi-gpu", "pcie", "cpu-adam")
 
 
 # ---------------------------------------------------------------------- context
@@ -303,13 +307,13 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
     """Every check on ``device``; returns {"environment", "inputs", "rows"}."""
     from zeroplan.bench.cpu_adam import validation_rows as cpu_adam_rows
     from zeroplan.bench.gemm_check import measure_layer_gemms
+    from zeroplan.bench.pcie_check import measure_pcie
     from zeroplan.bench.validate import _zero_config, predict, scaled_spec
     from zeroplan.specs.model import load_model
 
     full = load_model(model)
     spec = scaled_spec(full, layers=layers, hidden=hidden, vocab=None, experts=None)
-    want = set(checks or ("context", "optimizer", "activations", "gemm", "engine", "deepspeed", "multi-gpu",
-                          "cpu-adam"))
+    want = set(checks or CHECKS)
     rows: list[dict[str, Any]] = []
     plan1 = predict(spec, _zero_config(2, None), precision=precision, micro_batch=micro_batch, seq_len=seq_len,
                     grad_accum=1, n=1)
@@ -339,6 +343,7 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
         "deepspeed": lambda: measure_deepspeed_virtual(device, spec, n=gpus, stage=2, precision=precision,
                                                        micro_batch=micro_batch, seq_len=seq_len, plan=planN),
         "multi-gpu": lambda: multi_gpu_checks(gpu_count(), hardware),
+        "pcie": lambda: measure_pcie(device, hardware),
         "cpu-adam": lambda: cpu_adam_rows(max(1, gpu_count()), hardware),
     }
     for name, fn in steps.items():

@@ -13,11 +13,10 @@ from typing import Optional
 import typer
 
 from zeroplan._util import InputError
+from zeroplan.bench.gpu_validate import CHECKS as _CHECKS  # torch-free at import: the list of checks
 from zeroplan.commands._common import console, handle_errors
 
 __all__ = ["register", "cuda_status"]
-
-_CHECKS = ("context", "optimizer", "activations", "gemm", "engine", "deepspeed", "multi-gpu", "cpu-adam")
 
 
 def cuda_status() -> tuple[bool, str]:
@@ -41,12 +40,13 @@ def validate(
     layers: int = typer.Option(2, "--layers", help="Layers of the model kept for the engine checks."),
     hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the hidden size (default: the model's)."),
     hardware: Optional[str] = typer.Option(None, "--hardware",
-                                           help="Profile for the multi-GPU α–β comparison."),
+                                           help="Profile the measurements are set beside: GEMM rate, links (α–β), "
+                                                "overlap, PCIe, CPU-Adam."),
     checks: str = typer.Option(",".join(_CHECKS), "--checks", help="Comma list of " + ", ".join(_CHECKS) + "."),
 ) -> None:
-    """Measure this GPU node (context, optimizer temporaries, activations, reserved vs allocated,
-    real DeepSpeed as rank 0 of --gpus) against the planner; needs one CUDA GPU, more for the
-    multi-GPU checks."""
+    """Measure this GPU node (context, optimizer temporaries, activations, a layer's GEMMs, reserved
+    vs allocated, real DeepSpeed as rank 0 of --gpus, PCIe copies, the CPU optimizer) against the
+    planner; needs one CUDA GPU, more for the multi-GPU checks."""
     from zeroplan.commands.bench import require_torch
 
     require_torch("validate")

@@ -107,7 +107,7 @@ def test_settings_that_cannot_run_are_input_errors(kwargs, nproc, needle, monkey
     from zeroplan.bench.cpu_adam import CpuAdamConfig, check_config
     from zeroplan.runtime import launch
 
-    monkeypatch.setattr(launch, "_mem_available_bytes", lambda: 2**30)
+    monkeypatch.setattr(launch, "mem_available_bytes", lambda: 2**30)
     with pytest.raises(InputError) as exc:
         check_config(CpuAdamConfig(**kwargs), nproc)
     assert needle in str(exc.value)

@@ -13,8 +13,9 @@ This starts ``nproc`` local processes (one per GPU rank, as the launcher would),
 gradient. Each iteration every rank waits at a barrier, then times one
 ``DeepSpeedCPUAdam.step()`` (AdamW, fp32 states: DeepSpeed's ZeRO-Offload optimizer; ops/adam
 ``cpu_adam.py``). An iteration lasts from the first rank's start to the last rank's end on the
-host's monotonic clock; the figure is the median over iterations. ``--optimizer torch`` times ``torch.optim.AdamW`` instead (for the ratio
-DeepSpeed quotes, 5-7x); only DeepSpeed's figure can be saved to a profile.
+host's monotonic clock; the figure is the median over iterations. ``--optimizer torch`` times
+``torch.optim.AdamW`` instead (for the ratio DeepSpeed quotes, 5-7x); only DeepSpeed's figure can
+be saved to a profile.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from pydantic import BaseModel, Field
 
 from zeroplan._util import InputError
 
-__all__ = ["CpuAdamConfig", "CpuAdamReport", "physical_cores", "plan_threads", "cpu_adam_rank",
-           "aggregate_cpu_adam", "run_cpu_adam", "save_cpu_adam_profile", "BYTES_PER_PARAM", "UPDATE_BYTES_PER_PARAM",
-           "DEFAULT_PARAMS"]
+__all__ = ["CpuAdamConfig", "CpuAdamReport", "core_cpus", "physical_cores", "rank_cpus", "plan_threads",
+           "check_config", "cpu_adam_rank", "aggregate_cpu_adam", "run_cpu_adam", "check_savable",
+           "save_cpu_adam_profile", "validation_rows", "BYTES_PER_PARAM", "UPDATE_BYTES_PER_PARAM", "DEFAULT_PARAMS"]
 
 DEFAULT_PARAMS = 50_000_000  # per rank: 4 fp32 tensors of 200 MB each, far beyond any CPU cache
 BYTES_PER_PARAM = 16  # memory one rank holds per parameter: fp32 parameter, gradient, exp_avg, exp_avg_sq
@@ -147,10 +148,10 @@ def check_config(cfg: CpuAdamConfig, nproc: int) -> None:
         raise InputError(f"--threads {cfg.threads}: expected a whole number >= 1")
     if cfg.iters < 1 or cfg.warmup < 0:
         raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
-    from zeroplan.runtime.launch import _mem_available_bytes
+    from zeroplan.runtime.launch import mem_available_bytes
 
     need = nproc * cfg.params * BYTES_PER_PARAM
-    avail = _mem_available_bytes()
+    avail = mem_available_bytes()
     if avail is not None and need > 0.8 * avail:
         raise InputError(f"--params {cfg.params} × --nproc {nproc}: the partitions need {need / 2**30:.1f} GiB "
                          f"({BYTES_PER_PARAM} B per parameter), more than 80% of the {avail / 2**30:.1f} GiB "
@@ -288,14 +289,19 @@ def _rank_entry(rank: int, world_size: int, cfg_json: str, threads: int, cpus: l
     return cpu_adam_rank(rank, world_size, cfg_json, threads, cpus[rank])
 
 
+def check_savable(optimizer: str) -> None:
+    """InputError unless ``optimizer``'s rate may go into a profile: only DeepSpeedCPUAdam's."""
+    if optimizer != "deepspeed":
+        raise InputError("--save-profile: only DeepSpeedCPUAdam's rate can be saved (the planner models "
+                         "DeepSpeed's ZeRO-Offload step); drop --optimizer torch")
+
+
 def save_cpu_adam_profile(report: CpuAdamReport, path: str, hardware: str) -> Any:
     """Write ``hardware`` (a profile name or TOML path) with ``node.cpu_adam_params_per_s_per_core``
     set to the measurement and its source; returns the profile written."""
     from zeroplan.specs import hardware as hw
 
-    if report.optimizer != "deepspeed":
-        raise InputError("--save-profile: only DeepSpeedCPUAdam's rate can be saved (the planner models "
-                         "DeepSpeed's ZeRO-Offload step); drop --optimizer torch")
+    check_savable(report.optimizer)
     base = hw.load_profile(hardware)
     note = (f"measured by zeroplan bench cpu-adam on {date.today().isoformat()}: {report.optimizer_version} "
             f"DeepSpeedCPUAdam ({report.simd or 'scalar'}), {report.cpu}, {report.nproc} rank(s) x {report.threads} "

@@ -9,11 +9,13 @@ from typing import Any, Optional
 
 import typer
 
-from zeroplan._util import InputError, parse_count
+from zeroplan._util import parse_count
 from zeroplan.bench.cpu_adam import CpuAdamConfig  # pydantic only: torch and DeepSpeed load in the command
 from zeroplan.commands._common import console, err_console, handle_errors
 
 __all__ = ["cpu_adam"]
+
+_DEFAULT = CpuAdamConfig()  # the option defaults are the config's
 
 
 def _render(report: Any, saved: str | None) -> None:
@@ -29,8 +31,8 @@ def _render(report: Any, saved: str | None) -> None:
     out.print(f"  step            {report.step_s * 1e3:10.2f} ms   (first start to last end, median; each rank alone "
               f"{min(report.step_s_by_rank) * 1e3:.2f}–{max(report.step_s_by_rank) * 1e3:.2f} ms)", highlight=False)
     out.print(f"  per rank        {report.params_per_s_per_rank:10.3g} parameters/s", highlight=False)
-    out.print(f"  node            {report.params_per_s_total:10.3g} parameters/s   "
-              f"({report.memory_GBps:.3g} GB/s of fp32 traffic at {UPDATE_BYTES_PER_PARAM} B per parameter)", highlight=False)
+    out.print(f"  node            {report.params_per_s_total:10.3g} parameters/s   ({report.memory_GBps:.3g} GB/s "
+              f"of fp32 traffic at {UPDATE_BYTES_PER_PARAM} B per parameter)", highlight=False)
     out.print(f"  per core        {report.params_per_s_per_core:10.3g} parameters/s   "
               f"node.cpu_adam_params_per_s_per_core", highlight=False)
     ref = f"the planner's default is {report.planner_default:.3g}"
@@ -53,17 +55,17 @@ def cpu_adam(
     threads: Optional[int] = typer.Option(None, "--threads",
                                           help="OpenMP threads per process. Default: the physical cores divided "
                                                "among the processes."),
-    params: str = typer.Option(str(CpuAdamConfig().params), "--params",
+    params: str = typer.Option(str(_DEFAULT.params), "--params",
                                help="fp32 parameters per process (its optimizer partition), e.g. 50M, 2e8; "
                                     "16 bytes each."),
-    optimizer: str = typer.Option(CpuAdamConfig().optimizer, "--optimizer",
+    optimizer: str = typer.Option(_DEFAULT.optimizer, "--optimizer",
                                   help="deepspeed (DeepSpeedCPUAdam, what ZeRO-Offload runs) or torch "
                                        "(torch.optim.AdamW, for comparison)."),
-    bind_cores: bool = typer.Option(False, "--bind-cores",
+    bind_cores: bool = typer.Option(_DEFAULT.bind_cores, "--bind-cores",
                                     help="Pin each process to its own physical cores, as DeepSpeed's "
                                          "--bind_cores_to_rank does."),
-    warmup: int = typer.Option(CpuAdamConfig().warmup, "--warmup", help="Untimed steps per process."),
-    iters: int = typer.Option(CpuAdamConfig().iters, "--iters", help="Timed steps per process."),
+    warmup: int = typer.Option(_DEFAULT.warmup, "--warmup", help="Untimed steps per process."),
+    iters: int = typer.Option(_DEFAULT.iters, "--iters", help="Timed steps per process."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds before hung processes are killed."),
     save_profile: Optional[str] = typer.Option(None, "--save-profile",
                                                help="Write --hardware's profile with "
@@ -86,13 +88,12 @@ def cpu_adam(
     from zeroplan.commands.bench import check_profile_paths, emit_report, require_torch, run_ranks
 
     require_torch("bench cpu-adam")
-    from zeroplan.bench.cpu_adam import check_config, run_cpu_adam, save_cpu_adam_profile
+    from zeroplan.bench.cpu_adam import check_config, check_savable, run_cpu_adam, save_cpu_adam_profile
     from zeroplan.runtime.launch import check_timeout, check_world_size
 
     check_profile_paths(save_profile, output, hardware)
-    if save_profile is not None and optimizer != "deepspeed":
-        raise InputError("--save-profile: only DeepSpeedCPUAdam's rate can be saved (the planner models "
-                         "DeepSpeed's ZeRO-Offload step); drop --optimizer torch")
+    if save_profile is not None:
+        check_savable(optimizer)  # before the run, not after it
     check_timeout(timeout)
     base = None
     if hardware is not None:
@@ -106,9 +107,9 @@ def cpu_adam(
     check_world_size(nproc)
     check_config(cfg, nproc)  # bad settings: one line before the progress line and any process
     if not json_out:  # progress on stderr: stdout stays the report
-        err_console().print(f"bench cpu-adam: {nproc} process(es) × {cfg.params:,} parameters"
-                        f"{' (DeepSpeed builds its cpu_adam op on first use)' if optimizer == 'deepspeed' else ''} …",
-                        highlight=False)
+        build = " (DeepSpeed builds its cpu_adam op on first use)" if optimizer == "deepspeed" else ""
+        err_console().print(f"bench cpu-adam: {nproc} process(es) × {cfg.params:,} parameters{build} …",
+                            highlight=False)
     profile_value = None if base is None else base.node.cpu_adam_params_per_s_per_core
     report = run_ranks("bench cpu-adam", lambda: run_cpu_adam(cfg, nproc=nproc, timeout_s=timeout,
                                                                profile_value=profile_value))

@@ -55,6 +55,7 @@ from zeroplan.runtime.torchrun import (
 
 __all__ = [
     "RankError",
+    "mem_available_bytes",
     "spawn",
     "join_torchrun",
     "under_torchrun",
@@ -73,7 +74,7 @@ _BYTES_PER_RANK_ESTIMATE = 200 * 2**20  # resident bytes a forked torch rank nee
 
 
 # ------------------------------------------------------------------ helpers
-def _mem_available_bytes() -> int | None:
+def mem_available_bytes() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -93,7 +94,7 @@ def check_world_size(nproc: int) -> None:
             f"--nproc {nproc}: this machine has {cpus} CPU cores; at most {4 * cpus} local ranks "
             f"(4 per core) can run — use torchrun across nodes for larger worlds"
         )
-    avail = _mem_available_bytes()
+    avail = mem_available_bytes()
     if avail is not None and nproc * _BYTES_PER_RANK_ESTIMATE > avail:
         raise InputError(
             f"--nproc {nproc}: needs about {nproc * _BYTES_PER_RANK_ESTIMATE / 2**30:.1f} GiB of memory "

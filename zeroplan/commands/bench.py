@@ -64,13 +64,15 @@ def run_ranks(command: str, fn: Callable[[], Any]) -> Any:
         fail(f"{command}: {exc}", 1)
 
 
-def check_profile_paths(save_profile: str | None, output: str | None, hardware: str | None) -> None:
+def check_profile_paths(save_profile: str | None, output: str | None, hardware: str | None, *,
+                        fields: str = "the other fields") -> None:
     """The checks every measuring bench makes before it starts: --save-profile and --output are
-    writable and name no input, and --save-profile has a --hardware base (InputError, exit 2)."""
+    writable and name no input, and --save-profile has a --hardware base for ``fields`` (InputError,
+    exit 2)."""
     validate_output_path(save_profile, option="--save-profile", inputs={"--hardware": hardware})
     validate_output_path(output, option="--output", inputs={"--hardware": hardware, "--save-profile": save_profile})
     if save_profile is not None and hardware is None:
-        raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the other fields")
+        raise InputError(f"--save-profile needs --hardware BASE (a profile name or TOML path) for {fields}")
 
 
 def emit_report(report: Any, *, save: Callable[[Any, str, str], Any], save_profile: str | None,
@@ -188,10 +190,7 @@ def collectives(
         straggler_threshold=straggler_threshold,
     )
     validate_config(cfg)
-    validate_output_path(save_profile, option="--save-profile", inputs={"--hardware": hardware})
-    validate_output_path(output, option="--output", inputs={"--hardware": hardware, "--save-profile": save_profile})
-    if save_profile is not None and hardware is None:
-        raise InputError("--save-profile needs --hardware BASE (a profile name or TOML path) for the non-link fields")
+    check_profile_paths(save_profile, output, hardware, fields="the non-link fields")
     check_timeout(timeout)  # nan, inf, <= 0: one line before any rank starts
     hw_profile = None
     if hardware is not None:

@@ -36,6 +36,7 @@ __all__ = [
     "validate_output_path",
     "display_path",
     "safe_text",
+    "atomic_write_files",
     "expand_path",
     "remove_live_temps",
 ]
@@ -154,8 +155,9 @@ def validate_output_path(path: str | os.PathLike | None, *, option: str = "",
             except OSError:
                 same = False
             if same:
-                raise InputError(f"{option or 'output'} {display_path(path)}: is the same file as the input "
-                                 f"{name} {display_path(one)}; refusing to overwrite an input")
+                what = f"the input {name}" if name.startswith("-") else name  # "--ds-config", or said in full
+                raise InputError(f"{option or 'output'} {display_path(path)}: is the same file as {what} "
+                                 f"{display_path(one)}; refusing to overwrite it")
     return target
 
 
@@ -188,10 +190,41 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     or FIFO is written in place; the new file keeps the old file's mode, else 0666 & ~umask.
     """
     target, st = _resolve_output(path)
-    shown = display_path(path)
     if st is not None and not stat.S_ISREG(st.st_mode):
-        _write_in_place(target, st, data, shown)
+        _write_in_place(target, st, data, display_path(path))
         return Path(path)
+    atomic_write_files([(path, data)])
+    return Path(path)
+
+
+def atomic_write_files(files: list[tuple[str | os.PathLike, bytes]]) -> None:
+    """Write several regular files all or none: every temp file is written and synced before the
+    first rename, so a full disk or a bad directory leaves every target as it was (a file and its
+    sidecar never disagree). Symlinks are resolved as in ``atomic_write_bytes``."""
+    staged: list[tuple[str, Path, str]] = []
+    try:
+        for path, data in files:
+            target, st = _resolve_output(path)
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                raise InputError(f"{display_path(path)}: is {_kind(st.st_mode)}; expected a regular file path")
+            staged.append((_staged_temp(target, st, data, display_path(path)), target, display_path(path)))
+        for tmp, target, shown in staged:
+            try:
+                os.replace(tmp, target)  # same directory, temp already synced: fails only if the disk goes away
+            except OSError as exc:
+                raise InputError(f"{shown}: cannot write: {exc.strerror or exc}") from None
+    finally:
+        for tmp, _, _ in staged:
+            try:
+                os.unlink(tmp)  # renamed already: nothing there
+            except OSError:
+                pass
+            _LIVE_TEMPS.discard(tmp)
+
+
+def _staged_temp(target: Path, st: os.stat_result | None, data: bytes, shown: str) -> str:
+    """A synced temp file beside ``target`` holding ``data`` (with the old file's mode and owner);
+    registered in _LIVE_TEMPS until the caller renames or removes it."""
     name = os.fsencode(target.name)[: _NAME_MAX_BYTES - _TMP_RANDOM_BYTES - 2]
     # SIGINT/SIGTERM are held while the temp file is created and registered, so a signal can
     # never land between the two and leave an untracked temp file behind.
@@ -221,18 +254,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, target)
     except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        _LIVE_TEMPS.discard(tmp)
         if isinstance(exc, OSError):
             raise InputError(f"{shown}: cannot write: {exc.strerror or exc}") from None
         raise
-    finally:
-        _LIVE_TEMPS.discard(tmp)
-    return Path(path)
+    return tmp
 
 
 def remove_live_temps() -> None:

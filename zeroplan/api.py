@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 from zeroplan._util import InputError
 from zeroplan.advice.peft_settings import peft_sidecar_path
 from zeroplan.core.finetune_inputs import FINETUNE_KEYS, finetune_record
-from zeroplan.core.inputs import PlanInputs, annotate_ds_config, build_plan_inputs, refuse_ds_errors
+from zeroplan.core.inputs import MAX_GPUS, PlanInputs, annotate_ds_config, build_plan_inputs, refuse_ds_errors
 from zeroplan.core.plan import ClusterSummary, EstimateResult, evaluate, model_summary, training_summary
 from zeroplan.options import (
     COMM_MODELS, CheckOptions, CommonOptions, PlanOptions, RecommendOptions, ReportOptions,
@@ -214,6 +214,9 @@ def _finetune_variants(opts: RecommendOptions) -> tuple[list[str], list[int], li
             raise InputError(f"--lora-r {opts.lora_r} and --lora-ranks: give one rank or the ranks to search")
         if not opts.lora_ranks or any(not 1 <= r <= 1 << 16 for r in opts.lora_ranks):
             raise InputError(f"--lora-ranks {opts.lora_ranks}: expected ranks from 1 to 65536")
+        if len(set(opts.lora_ranks)) > MAX_LORA_RANKS:  # each rank is a whole recommend search
+            raise InputError(f"--lora-ranks: {len(set(opts.lora_ranks)):,} ranks; expected at most "
+                             f"{MAX_LORA_RANKS} to search (e.g. 8,16,32,64)")
     ranks = sorted(set(opts.lora_ranks or [opts.lora_r or DEFAULT_LORA_R]))
     qlora_note = ("QLoRA's time counts no dequantisation: bitsandbytes dequantises each 4-bit layer in every "
                   "forward and backward, so real QLoRA steps are slower than shown (its memory is modelled)")
@@ -319,6 +322,10 @@ def build_report(options: ReportOptions | None = None, /, *,
                              inputs=inputs, recommendation=rec, on_step=on_step)
 
 
+MAX_LORA_RANKS = 16  # LoRA ranks one recommend searches (each is a search over every configuration)
+MAX_LOG_STEPS = 10**9  # optimizer steps one NCCL log can cover (a log of every collective is far shorter)
+
+
 def read_nccl_log(file: str, plan: PlanOptions | None = None, /, *, steps: int = 1,
                   nranks: int | None = None) -> NcclLogReport:
     """Summarise an NCCL_DEBUG=INFO log (version, ranks, rings/trees, transports, collectives,
@@ -335,6 +342,10 @@ def read_nccl_log(file: str, plan: PlanOptions | None = None, /, *, steps: int =
                          "'host:pid:tid [0] NCCL INFO ...'; run with NCCL_DEBUG=INFO)")
     if steps < 1:
         raise InputError(f"--steps {steps} must be a positive integer")
+    if steps > MAX_LOG_STEPS:
+        raise InputError(f"--steps {steps:,}: expected at most {MAX_LOG_STEPS:,} optimizer steps in one log")
+    if nranks is not None and not 1 <= nranks <= MAX_GPUS:
+        raise InputError(f"--nranks {nranks:,}: expected a communicator size from 1 to {MAX_GPUS:,}")
     if plan is None:
         return NcclLogReport(file=str(file), summary=summary)
     _validate_model_options(plan)

@@ -62,8 +62,26 @@ def _usage_message(exc: _cx.UsageError) -> str:
     return msg
 
 
+class _StdoutGone(Exception):
+    """stdout's reader went away (EPIPE) inside a command. Click's ``main`` turns an EPIPE OSError
+    into a bare exit 1 (which ``check`` documents as "a finding failed"); this one passes through
+    it to ``main`` below, which exits quietly with 141 as for SIGPIPE."""
+
+    def __init__(self, exc: OSError) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
 class _ZeroplanGroup(TyperGroup):
     """The root group: runs click non-standalone so usage errors are ours to print (one line)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            if isinstance(exc, BrokenPipeError) or exc.errno == errno.EPIPE:
+                raise _StdoutGone(exc) from exc
+            raise
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
@@ -105,7 +123,7 @@ _app = typer.Typer(
     rich_markup_mode=None,
     # on a terminal help fits its width (up to HELP_WIDTH); in pipes and logs it is HELP_WIDTH wide
     context_settings={"max_content_width": HELP_WIDTH, "help_option_names": ["--help", "-h"],
-                      "show_default": True, **({} if sys.stdout.isatty() else {"terminal_width": HELP_WIDTH})},
+                      "show_default": True, **({} if sys.stdout is not None and sys.stdout.isatty() else {"terminal_width": HELP_WIDTH})},
 )
 
 # command name -> the module whose register(app) adds it; order = order in --help.
@@ -204,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
         except (AttributeError, ValueError, OSError):
             pass
     atexit.register(remove_live_temps)
+    if sys.stdout is None:  # started with stdout closed (`zeroplan ... >&-`)
+        _error("standard output is closed: nothing could be printed (redirect it to a file or /dev/null)")
+        sys.exit(2)
     command = _invoked(argv)
     app = _register([command] if command is not None and not _registered else COMMANDS)
     try:
@@ -218,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout.flush()  # a full disk or closed pipe shows here, not at interpreter exit
     except SystemExit as exc:
         code = exc.code
+        if isinstance(exc.__context__, BrokenPipeError):  # rich's Console.on_broken_pipe exits 1
+            code = _output_error(exc.__context__)
     except InputError as exc:
         _error(str(exc))
         code = 2
@@ -229,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         code = 143
     except (BrokenPipeError, UnicodeEncodeError) as exc:
         code = _output_error(exc)
+    except _StdoutGone as exc:
+        code = _output_error(exc.exc)
     except OSError as exc:
         if exc.errno not in (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EBADF, errno.EDQUOT):
             raise

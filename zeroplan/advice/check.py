@@ -256,7 +256,7 @@ def run_check(patterns: list[str], *, fail_on: str = "error", expand_globs: bool
         raise InputError(f"--max-comm-share {mcs} must be in [0.001, 1]")
     mh = opts.get("min_headroom", 0.10)
     if not (0 <= mh < 1):
-        raise InputError(f"--min-headroom {mh} must be in [0, 1)")
+        raise InputError(f"--headroom {mh} must be in [0, 1)")
     if opts.get("comm_model", "deepspeed") not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {opts['comm_model']!r} is unknown; expected deepspeed or paper")
     if opts.get("mfu") is not None and not (1e-3 <= opts["mfu"] <= 1):

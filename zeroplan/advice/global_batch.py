@@ -26,15 +26,17 @@ from pydantic import BaseModel
 
 from zeroplan._util import InputError
 from zeroplan.advice.reasons import Reason, qcount, reason
+from zeroplan.core.inputs import MAX_OPTION_VALUES
 
 __all__ = ["GlobalBatch", "parse_global_batch", "grad_accum_for", "max_micro_batch_for", "fit_global_batch",
            "GLOBAL_BATCH_SYNTAX"]
 
 GLOBAL_BATCH_SYNTAX = "a number with an optional K/M/G (10³/10⁶/10⁹) and a unit: 4Mtokens, 512samples"
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+MAX_GLOBAL_BATCH = 10**12  # tokens or samples per optimizer step: 1e5 times today's largest (~16M tokens)
 _UNITS = {"tokens": "tokens", "token": "tokens", "tok": "tokens", "samples": "samples", "sample": "samples",
           "seqs": "samples", "seq": "samples", "sequences": "samples"}
-_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*([A-Za-z]*)\s*$")
+_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*([A-Za-z]*)\s*$", re.ASCII)  # ASCII digits, as -g
 _PASSES = 3
 
 
@@ -67,6 +69,8 @@ def parse_global_batch(text: str) -> tuple[int, str]:
     value = float(m.group(1)) * _SCALE[m.group(2).lower()]
     if value != int(value) or value < 1:
         raise InputError(f"--global-batch {text!r} is {value:g} {unit}; expected a whole number of at least 1")
+    if value > MAX_GLOBAL_BATCH:
+        raise InputError(f"--global-batch {text!r} is {value:g} {unit}; expected at most {MAX_GLOBAL_BATCH:.0e}")
     return int(value), unit
 
 
@@ -75,6 +79,10 @@ def grad_accum_for(target: int, unit: str, *, micro_batch: int, data_parallel: i
     samples_wanted = math.ceil(target / seq_len) if unit == "tokens" else target
     per_step = micro_batch * data_parallel
     ga = max(1, math.ceil(samples_wanted / per_step))
+    if ga > MAX_OPTION_VALUES["--grad-accum"]:
+        raise InputError(f"--global-batch {target:,} {unit} needs gradient accumulation {ga:,} at micro-batch "
+                         f"{micro_batch} on {data_parallel} GPUs; zeroplan plans at most "
+                         f"{MAX_OPTION_VALUES['--grad-accum']:,} (as --grad-accum)")
     samples = per_step * ga
     tokens = samples * seq_len
     reached = tokens if unit == "tokens" else samples

@@ -21,14 +21,12 @@ FORMATS = ("text", "json", "junit", "github")
 
 def render_check_text(con: Any, report: Any) -> None:
     """Findings grouped per file, with the plan's headline numbers."""
-    from rich.markup import escape
-
-    from zeroplan.report.render import gb
+    from zeroplan.report.render import esc, gb
 
     colors = {"error": "red", "warning": "yellow", "info": "cyan"}
     for f in report.files:
         verdict = "[green]PASS[/]" if f.verdict == "pass" else "[red]FAIL[/]"
-        head = f"{verdict} [bold]{f.path}[/]"
+        head = f"{verdict} [bold]{esc(f.path)}[/]"
         p = f.plan
         if p is not None:
             off = [x for x in (f"optimizer→{p.offload_optimizer}" if p.offload_optimizer != "none" else "",
@@ -41,10 +39,10 @@ def render_check_text(con: Any, report: Any) -> None:
             where = f"{f.path}:{x.line}" if x.line else f.path
             key = f" [{x.key}]" if x.key else ""
             con.print(f"  [{colors.get(x.severity, 'white')}]{x.severity:7}[/] {x.rule_id} "
-                      + escape(f"{where}{key}: {x.message}"), markup=True, highlight=False)
+                      + esc(f"{where}{key}: {x.message}"), markup=True, highlight=False)
     c = report.counts
-    con.print(f"[bold]{report.verdict.upper()}[/]: {len(report.files)} config(s) for {report.model} on "
-              f"{report.cluster.n_gpus} × {report.cluster.gpu} ({report.hardware}); {c['error']} error(s), "
+    con.print(f"[bold]{report.verdict.upper()}[/]: {len(report.files)} config(s) for {esc(report.model)} on "
+              f"{report.cluster.n_gpus} × {esc(report.cluster.gpu)} ({esc(report.hardware)}); {c['error']} error(s), "
               f"{c['warning']} warning(s), {c['info']} info; failing at {report.fail_on}", markup=True, highlight=False)
 
 

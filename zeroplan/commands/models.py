@@ -108,16 +108,18 @@ def register(app: typer.Typer) -> None:
             return
         from rich.table import Table
 
-        t = Table(title=f"{spec.name}  ({spec.source})", show_header=False)
+        from zeroplan.report.render import esc
+
+        t = Table(title=esc(f"{spec.name}  ({spec.source})"), show_header=False)
         t.add_column("field")
         t.add_column("value", overflow="fold")
         if spec.source.startswith("count:"):
             exact = "as stated; the shape below is a default"
         else:
             exact = "approximate" if spec.approximate else "exact"
-        t.add_row("model_type", spec.model_type)
+        t.add_row("model_type", esc(spec.model_type))
         if spec.hf_repo:
-            t.add_row("hf_repo", spec.hf_repo)
+            t.add_row("hf_repo", esc(spec.hf_repo))
         t.add_row("params", f"{spec.params:,}  ({_billions(spec.params)}, {exact})")
         if spec.published_params is not None:
             ok = "matches" if spec.params == spec.published_params else "DIFFERS from"
@@ -125,7 +127,7 @@ def register(app: typer.Typer) -> None:
         if spec.num_experts:
             t.add_row("active params", f"{spec.active_params:,}  ({_billions(spec.active_params)} per token, "
                                        f"top-{spec.experts_per_token} of {spec.num_experts} experts)")
-        t.add_row("largest module", f"{spec.largest_module_name}: {spec.largest_module_params:,}")
+        t.add_row("largest module", esc(f"{spec.largest_module_name}: {spec.largest_module_params:,}"))
         t.add_row("per layer", f"{spec.per_layer_params:,}  (layer 0)")
         t.add_row("embedding", f"{spec.embedding_params:,}")
         t.add_row("layers", str(spec.num_layers))
@@ -138,5 +140,5 @@ def register(app: typer.Typer) -> None:
         t.add_row("tied embeddings", "yes" if spec.tie_word_embeddings else "no")
         t.add_row("tensors", f"{len(spec.tensors):,}")
         for n in spec.notes:
-            t.add_row("note", n)
+            t.add_row("note", esc(n))
         console().print(t)

@@ -24,6 +24,13 @@ from zeroplan.options import PlanOptions
 
 __all__ = ["register"]
 
+MAX_TABLE_ROWS = 50  # rows of a text table; --json lists every one
+
+
+def _more(con: Any, shown: int, total: int, what: str) -> None:
+    if total > shown:
+        con.print(f"… and {total - shown:,} more {what} (the first {shown} shown; --json lists all {total:,})")
+
 
 def _render(result: Any) -> None:
     from rich.markup import escape as esc
@@ -74,11 +81,12 @@ def _render(result: Any) -> None:
         t = Table(title="Collectives (per rank; full-buffer bytes, AllGather/ReduceScatter count × nranks)")
         for col in ("op", "dtype", "NCCL count", "nranks", "buffer", "calls/rank", "ranks logging"):
             t.add_column(col, justify="left" if col in ("op", "dtype") else "right")
-        for c in s.collectives:
+        for c in s.collectives[:MAX_TABLE_ROWS]:
             buf = fmt_bytes(c.buffer_bytes) if c.buffer_bytes is not None else "?"
             calls = f"{c.calls_per_rank}" + (" (uneven)" if c.uneven else "")
             t.add_row(esc(c.op), esc(c.datatype), f"{c.count:,}", str(c.nranks), buf, calls, str(c.ranks_logging))
         con.print(t)
+        _more(con, MAX_TABLE_ROWS, len(s.collectives), "collective shapes")
         con.print("per op: " + "; ".join(
             f"{o.op} {o.calls_per_rank} call(s), {fmt_bytes(o.bytes_per_rank)}" for o in s.op_totals))
     else:
@@ -88,9 +96,10 @@ def _render(result: Any) -> None:
         t = Table(title=f"Warnings and errors ({s.issue_count} line(s))")
         for col in ("kind", "line", "times", "message"):
             t.add_column(col)
-        for i in s.issues:
-            t.add_row(i.kind, str(i.line), str(i.occurrences), esc(i.message))
+        for i in s.issues[:MAX_TABLE_ROWS]:
+            t.add_row(esc(i.kind), str(i.line), str(i.occurrences), esc(i.message))
         con.print(t)
+        _more(con, MAX_TABLE_ROWS, len(s.issues), "distinct warnings/errors")
     else:
         con.print("warnings/errors: none")
 

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import typer
 from typing_extensions import Annotated
 
+from zeroplan._util import InputError
 from zeroplan.commands._common import (
     LoraRanks, GlobalBatchTarget, OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, DEFAULT_TOP, Checkpointing, CommModel, DsConfig,
@@ -32,13 +33,13 @@ def _fmt_value(v: Any) -> str:
 def render_recommendation(con: Any, rec: Any) -> None:
     from rich.table import Table
 
-    from zeroplan.report.render import gb, seconds
+    from zeroplan.report.render import esc, gb, seconds
 
     if not con.is_terminal:
         con.width = max(con.width, 150)  # pipes and files: keep the table and sentences on one line each
     m, c = rec.model, rec.cluster
-    con.print(f"[bold]{m.name}[/]: {m.params:,} parameters on {c.n_gpus} GPUs = {c.nodes} node(s) × "
-              f"{c.gpus_per_node} of {c.hardware} ({c.gpu}, {gb(c.gpu_memory_bytes)} each)", markup=True)
+    con.print(f"[bold]{esc(m.name)}[/]: {m.params:,} parameters on {c.n_gpus} GPUs = {c.nodes} node(s) × "
+              f"{c.gpus_per_node} of {esc(c.hardware)} ({esc(c.gpu)}, {gb(c.gpu_memory_bytes)} each)", markup=True)
     t = rec.training
     con.print(f"{t['precision']} ({t['precision_source']}), {t['optimizer']}, sequence {t['seq_len']}, grad-accum "
               f"{t['grad_accum']}, micro-batch {t['micro_batch']}, checkpointing {t['checkpointing']}; "
@@ -114,16 +115,41 @@ def _render_finetune(con: Any, fs: Any) -> None:
         con.print(f"  note: {n}", markup=False, highlight=False)
 
 
-def _write_peft(path: str, rec: Any, ds_config_path: str) -> None:
-    """The PEFT / Trainer settings sidecar (advice/peft_settings.py), atomically, pointing at the DeepSpeed file."""
+def _write_emitted(ds_config_path: str, sidecar: str, rec: Any) -> None:
+    """The chosen DeepSpeed config and its PEFT / Trainer settings sidecar (advice/peft_settings.py,
+    pointing at the DeepSpeed file), both or neither (``atomic_write_files``)."""
     import json
 
-    from zeroplan._util import atomic_write_text
+    from zeroplan._util import atomic_write_files
+    from zeroplan.specs.ds_writer import ds_config_text
 
     settings = dict(rec.peft or {})
     if "trainer" in settings:
         settings["trainer"] = {**settings["trainer"], "deepspeed": ds_config_path}
-    atomic_write_text(path, json.dumps(settings, indent=2, allow_nan=False) + "\n")
+    atomic_write_files([(ds_config_path, ds_config_text(ds_config_path, rec.ds_config).encode()),
+                        (sidecar, (json.dumps(settings, indent=2, allow_nan=False) + "\n").encode())])
+
+
+def _check_emit_path(emit_config: str | None) -> None:
+    """--emit-config writes two files (the config and its ``.peft.json`` sidecar), so it needs a
+    regular file path: not ``-`` (there is no stdout form) and not a device or FIFO."""
+    import os
+    import stat
+
+    from zeroplan._util import display_path, expand_path
+
+    if emit_config is None:
+        return
+    if emit_config == "-":
+        raise InputError("--emit-config -: writes two files (the config and its .peft.json sidecar), "
+                         "so it needs a file path, not stdout")
+    try:
+        mode = os.stat(expand_path(emit_config)).st_mode
+    except OSError:
+        return  # a new file (validate_output_path checks its directory)
+    if not stat.S_ISREG(mode):
+        raise InputError(f"--emit-config {display_path(emit_config)}: not a regular file; it writes two files "
+                         "(the config and its .peft.json sidecar beside it), so give a file path")
 
 
 def recommend_cmd(
@@ -173,6 +199,7 @@ def recommend_cmd(
 
     from zeroplan.api import peft_sidecar_path
 
+    _check_emit_path(emit_config)
     sidecar = peft_sidecar_path(emit_config) if emit_config is not None else None
     for path in (emit_config, sidecar):
         validate_output_path(path, option="--emit-config",
@@ -196,10 +223,7 @@ def recommend_cmd(
         if progress is not None:
             progress.stop()
     if emit_config is not None and rec.ds_config is not None:
-        from zeroplan.specs.deepspeed_config import write_ds_config
-
-        write_ds_config(emit_config, rec.ds_config)
-        _write_peft(sidecar, rec, emit_config)
+        _write_emitted(emit_config, sidecar, rec)
     if json_out:
         print_json(rec)
     else:

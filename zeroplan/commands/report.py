@@ -68,7 +68,7 @@ def report(
 
     ins = {"--model": options["model"], "--hardware": options["hardware"], "--ds-config": options["ds_config"]}
     validate_output_path(html, option="--html", inputs=ins)
-    validate_output_path(svg, option="--svg", inputs={**ins, "--html": html})
+    validate_output_path(svg, option="--svg", inputs={**ins, "the --html output": html})
     options = options_from(ReportOptions, {**locals(), **options})
     con = console()
     show_progress = not json_out and sys.stdout.isatty() and con.is_terminal

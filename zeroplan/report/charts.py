@@ -125,9 +125,12 @@ def _text_from_cells(prefix: str, cells: list[tuple[str, str]]) -> Any:
     return line
 
 
+MAX_CHART_WIDTH = 400  # columns: a wider terminal (or COLUMNS=999999999) gets a 400-column chart
+
+
 def _layout(con: Any, labels: Sequence[str], suffixes: Sequence[str]) -> tuple[int, int, bool]:
     """(label width, bar width, suffix on its own line?) for the console width."""
-    width = max(40, int(con.width))
+    width = min(max(40, int(con.width)), MAX_CHART_WIDTH)
     label_w = max(len(s) for s in labels) if labels else 6
     suffix_w = max(len(s) for s in suffixes) if suffixes else 0
     bar_w = width - label_w - 2 - suffix_w - 1

@@ -9,10 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroplan._util import GiB, fmt_gb, fmt_gib
+from zeroplan._util import GiB, fmt_gb, fmt_gib, safe_text
 from zeroplan.report.charts import render_memory_bars, render_time_bars
 
-__all__ = ["render_estimate", "gb", "gb_gib", "render_findings", "seconds", "estimator_line", "rounded_parts"]
+__all__ = ["render_estimate", "gb", "gb_gib", "render_findings", "seconds", "estimator_line", "rounded_parts", "esc"]
+
+
+def esc(text: object) -> str:
+    """Text from an input file (a model or GPU name, a config key, a message quoting one) made safe to
+    interpolate into Rich markup: ANSI and control characters escaped (``_util.safe_text``), then
+    square brackets escaped so that ``[/]`` or ``[bold]`` in a name prints as written."""
+    from rich.markup import escape
+
+    return escape(safe_text(str(text)))
 
 
 def gb(n: float | None) -> str:
@@ -52,9 +61,10 @@ def rounded_parts(total_units: int, parts: list[int], unit: int = 10**7) -> list
     left = total_units - sum(floors)
     order = sorted(range(len(parts)), key=lambda i: -(parts[i] - floors[i] * unit))
     out = list(floors)
-    for k in range(abs(left)):
-        i = order[k % len(parts)] if left > 0 else order[-1 - k % len(parts)]
-        out[i] += 1 if left > 0 else -1
+    whole, rest = divmod(abs(left), len(parts))  # O(parts) whatever ``left`` is (huge after float rounding)
+    step = 1 if left > 0 else -1
+    for k, i in enumerate(order if left > 0 else order[::-1]):
+        out[i] += step * (whole + (1 if k < rest else 0))
     return out
 
 
@@ -83,8 +93,8 @@ def render_findings(con: Any, findings: list[Any]) -> None:
     colors = {"error": "red", "warning": "yellow", "info": "cyan"}
     for f in findings:
         where = f" [{f.key}]" if getattr(f, "key", "") else ""
-        con.print(f"[{colors.get(f.severity, 'white')}]{f.severity:7}[/] {f.rule_id}{where}: {f.message}", markup=True,
-                  highlight=False)
+        con.print(f"[{colors.get(f.severity, 'white')}]{f.severity:7}[/] {f.rule_id}" + esc(f"{where}: {f.message}"),
+                  markup=True, highlight=False)
 
 
 def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None) -> None:
@@ -93,11 +103,12 @@ def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None)
     m, c = result.model, result.cluster
     approx = " (approximate shape)" if m.approximate else ""
     con.print(
-        f"[bold]{m.name}[/]{approx}: {m.params:,} parameters "
-        f"(largest module {m.largest_layer_name}: {m.largest_layer_params:,})",
+        f"[bold]{esc(m.name)}[/]{approx}: {m.params:,} parameters "
+        f"(largest module {esc(m.largest_layer_name)}: {m.largest_layer_params:,})",
         markup=True,
     )
-    hw = f" on {c.hardware} ({c.gpu}, {gb_gib(c.gpu_memory_bytes)} each)" if c.hardware else " (no hardware profile)"
+    hw = (f" on {safe_text(c.hardware)} ({safe_text(c.gpu)}, {gb_gib(c.gpu_memory_bytes)} each)" if c.hardware
+          else " (no hardware profile)")  # printed with markup=False
     t = result.training
     con.print(
         f"{c.n_gpus} GPUs = {c.nodes} node(s) × {c.gpus_per_node}{hw}; {t['precision']} "

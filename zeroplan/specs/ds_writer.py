@@ -95,10 +95,14 @@ def build_ds_config(zero: ZeroConfig, *, precision: str, micro_batch: int, grad_
     return cfg
 
 
-def write_ds_config(path: str | Path, config: dict[str, Any]) -> None:
-    """Write ``config`` as pretty JSON (2-space indent, trailing newline), atomically."""
+def ds_config_text(path: str | Path, config: dict[str, Any]) -> str:
+    """``config`` as pretty JSON (2-space indent, trailing newline); InputError naming ``path``."""
     try:
-        text = json.dumps(config, indent=2, allow_nan=False) + "\n"
+        return json.dumps(config, indent=2, allow_nan=False) + "\n"
     except (TypeError, ValueError) as exc:
         raise InputError(f"{path}: cannot write DeepSpeed config as JSON: {exc}") from None
-    atomic_write_text(path, text)
+
+
+def write_ds_config(path: str | Path, config: dict[str, Any]) -> None:
+    """Write ``config`` as pretty JSON (2-space indent, trailing newline), atomically."""
+    atomic_write_text(path, ds_config_text(path, config))

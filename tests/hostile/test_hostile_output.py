@@ -212,3 +212,20 @@ def test_report_calls_its_html_an_output(tmp_path):
     out = str(tmp_path / "r.html")
     _rejected(_cli(["report", "-m", "gpt2", "-H", "dgx-h100", "--html", out, "--svg", out]),
               "is the same file as the --html output")
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("num_hidden_layers", 100_000, "key 'num_hidden_layers' = 100000, expected at most 4,096"),
+    ("num_local_experts", 100_000, "key 'num_local_experts' = 100000, expected at most 8,192"),
+])
+def test_layers_and_experts_are_bounded_where_plans_stay_fast(tmp_path, key, value, needle):
+    """100,000 layers or experts were accepted and a plan never ended (each makes tensors of its own)."""
+    cfg = {**TINY, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2, key: value}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    _rejected(_cli(["models", "show", str(p)]), needle)
+
+
+def test_a_bare_count_too_large_for_the_default_shapes_says_so():
+    _rejected(_cli(["estimate", "-m", "1e14"]),
+              "model size '1e14': the largest default shape (hidden 16384) would need 31,370 layers, beyond 4,096")

@@ -147,7 +147,7 @@ def _check_emit_path(emit_config: str | None) -> None:
         mode = os.stat(expand_path(emit_config)).st_mode
     except OSError:
         return  # a new file (validate_output_path checks its directory)
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(mode):  # a device or a FIFO with a reader (validate_output_path refuses the rest)
         raise InputError(f"--emit-config {display_path(emit_config)}: not a regular file; it writes two files "
                          "(the config and its .peft.json sidecar beside it), so give a file path")
 
@@ -199,11 +199,11 @@ def recommend_cmd(
 
     from zeroplan.api import peft_sidecar_path
 
-    _check_emit_path(emit_config)
     sidecar = peft_sidecar_path(emit_config) if emit_config is not None else None
     for path in (emit_config, sidecar):
         validate_output_path(path, option="--emit-config",
                              inputs={"--ds-config": ds_config, "--hardware": hardware, "--model": model})
+    _check_emit_path(emit_config)
     options = options_from(RecommendOptions, {**locals(), **fine_tuning})
     show_progress = not json_out and sys.stdout.isatty()
     prog_cb = None

@@ -88,7 +88,7 @@ from zeroplan.specs.model_hf_config import (  # noqa: F401
     _HUB_ID,
     _LAYER_KEYS,
     _MAX_DIM,
-    _MAX_LAYERS,
+    MAX_LAYERS,
     _Cfg,
     _parse_json,
     hf_cache_config,

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 
-from zeroplan._util import parse_count
+from zeroplan._util import InputError, parse_count
 from zeroplan.specs.model_families import _llama_like
-from zeroplan.specs.model_hf_config import _Cfg
+from zeroplan.specs.model_hf_config import MAX_LAYERS, _Cfg
 from zeroplan.specs.model_spec import ModelSpec, _build
 
 __all__ = ["DEFAULT_SHAPES", "spec_from_count"]
@@ -61,6 +61,9 @@ def spec_from_count(text: str) -> ModelSpec:
     h, nh, kv, i, _ = best
     per_layer = _shape_params(h, nh, kv, i, 1) - _shape_params(h, nh, kv, i, 0)
     layers = max(1, round((n - _shape_params(h, nh, kv, i, 0)) / per_layer))
+    if layers > MAX_LAYERS:
+        raise InputError(f"model size {text!r}: the largest default shape (hidden {h}) would need {layers:,} "
+                         f"layers, beyond {MAX_LAYERS:,}; give a config.json for a model this large")
     cfg = _shape_config(h, nh, kv, i, layers)
     fields, T, _ = _llama_like(_Cfg(cfg, f"count {text}"), "llama")
     shape_total = _shape_params(h, nh, kv, i, layers)

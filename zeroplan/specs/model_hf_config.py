@@ -17,9 +17,13 @@ from zeroplan._util import InputError, read_text_file
 __all__ = ["hf_hub_cache_dir", "hf_cache_config"]
 
 # sanity bounds on config.json sizes: far beyond any real model, small enough to stay fast
-_MAX_DIM = 10**8  # hidden / intermediate / vocab / positions / heads / experts
-_MAX_LAYERS = 100_000
+_MAX_DIM = 10**8  # hidden / intermediate / vocab / positions / heads
+# Layers and experts each make tensors (and ledger entries) of their own, so their bounds also keep a
+# plan to seconds: 4,096 layers (DeepNet trained 1,000) and 8,192 experts (Switch-C has 2,048).
+MAX_LAYERS = 4_096
 _LAYER_KEYS = {"num_hidden_layers", "n_layer", "num_layers", "n_layers"}
+_MAX_EXPERTS = 8_192
+_EXPERT_KEYS = {"num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"}
 
 
 class _Cfg:
@@ -44,7 +48,7 @@ class _Cfg:
             v = int(v)
             if positive and v <= 0:
                 raise InputError(f"{self.where}: key {k!r} = {v}, expected a positive integer")
-            limit = _MAX_LAYERS if k in _LAYER_KEYS else _MAX_DIM
+            limit = MAX_LAYERS if k in _LAYER_KEYS else _MAX_EXPERTS if k in _EXPERT_KEYS else _MAX_DIM
             if v > limit:
                 raise InputError(f"{self.where}: key {k!r} = {v}, expected at most {limit:,} (a real model size)")
             if not positive and v < 0:

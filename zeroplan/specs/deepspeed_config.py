@@ -34,20 +34,21 @@ turns every error, and every DS001/DS003/DS004 finding, into an ``InputError``):
 |-------|------------------|---------|
 | DS001 | warning / error  | unknown key. Top level and optimizer/scheduler blocks: DeepSpeed ignores it (warning). Inside ``zero_optimization``, ``offload_*``, ``fp16``, ``bf16``: DeepSpeed's pydantic ``extra="forbid"`` rejects it (error). |
 | DS002 | warning / error  | deprecated key mapped to its replacement (``cpu_offload``, ``cpu_offload_param``, ``cpu_offload_use_pin_memory`` (value not transferred), ``stage3_gather_fp16_weights_on_model_save``, legacy ``bfloat16`` block, boolean ``zero_optimization``). Error when the replacement key is given too (DeepSpeed asserts). |
-| DS003 | error / warning  | wrong type. Error: DeepSpeed rejects it, the default is used. Warning: DeepSpeed's lax coercion accepts it (``"true"`` for a bool, ``"8"`` for an int); the coerced value is used. |
+| DS003 | error / warning  | wrong type. Error: DeepSpeed rejects it, the default is used; this includes a present section that is not an object (``"scheduler": null``, ``"fp16": []``) and a scalar DeepSpeed cannot use (``"wall_clock_breakdown": "1"``), per ``ds_shapes``. Warning: DeepSpeed's lax coercion accepts it (``"true"`` for a bool, ``"8"`` for an int); the coerced value is used. |
 | DS004 | error            | fractional number for an integer field (pydantic ``int_from_float``); the default is used. |
 | DS005 | error            | fp16 and bf16 both enabled (DeepSpeed: 'bfloat16 and fp16 modes cannot be simultaneously enabled'); zeroplan plans with bf16. |
 | DS006 | info             | an ``"auto"`` value resolved (HF Trainer rule or DeepSpeed dropping it); see ``DSConfig.auto_resolved``. |
 | DS007 | warning          | an ``"auto"`` value zeroplan cannot resolve (no hidden size / batch numbers / precision given, ``stage: "auto"``); DeepSpeed's own behaviour (default) is used. |
 | DS008 | error / warning  | batch sizes: ``train_batch_size != micro_batch * grad_accum * world_size``, a non-positive value (error), neither ``train_batch_size`` nor ``train_micro_batch_size_per_gpu`` given, or a value that differs from what the caller passed (warning). |
 | DS009 | error            | a key DeepSpeed 0.19.8 removed and now rejects (MiCS ``mics_shard_size``, ``mics_hierarchical_params_gather``, LoCo ``zeropp_loco_param``; top-level ``amp``, ``elasticity``, ``sparse_attention``, ...). |
-| DS010 | error / warning  | invalid value: out of bounds (``reduce_bucket_size <= 0``, negative sizes, stage not in 0..3, ``ratio`` outside [0, 1]), partial offload ``ratio < 1`` below stage 3, ``nvme`` without ``nvme_path``, odd ``allgather_bucket_size`` at stage 1/2, ``compute_grad_norm=false`` outside stage 1/2, unknown ``communication_data_type``, a key given under both its name and its alias (errors); settings with no effect at this stage (``offload_param`` below stage 3, ZeRO++ keys below stage 3, ``offload_optimizer`` at stage 0) and ``optimizer.params.max_grad_norm`` (warnings). |
+| DS010 | error / warning  | invalid value: out of bounds (``reduce_bucket_size <= 0``, negative sizes, stage not in 0..3, ``ratio`` outside [0, 1]), partial offload ``ratio < 1`` below stage 3, ``nvme`` without ``nvme_path``, odd ``allgather_bucket_size`` at stage 1/2, ``compute_grad_norm=false`` outside stage 1/2, unknown ``communication_data_type`` / ``seq_parallel_communication_data_type`` / ``gradient_allreduce_op`` / ``checkpoint.tag_validation``, ``gradient_allreduce_op: "sum"`` with ZeRO-3, ZenFlow or DeepCompile, ``fp16.loss_scale < 0``, ``fp16.loss_scale_window`` / ``min_loss_scale`` <= 0 with dynamic loss scaling, a key given under both its name and its alias (errors); settings with no effect at this stage (``offload_param`` below stage 3, ZeRO++ keys below stage 3, ``offload_optimizer`` at stage 0) and ``optimizer.params.max_grad_norm`` (warnings). |
 | DS011 | warning          | the file uses comments or trailing commas: DeepSpeed (hjson) accepts them, ``json.load``-based readers (Accelerate's ``HfDeepSpeedConfig``) do not. |
 
 Where each part lives (specs/): ``ds_schema`` (the pydantic models with DeepSpeed's defaults,
 ``RULES``, ``DEEPSPEED_VERSION``), ``ds_keys`` (the key tables: aliases, deprecated and removed
-keys, top-level keys, fp16/bf16 fields), ``ds_parse`` (hjson with the duplicate-key hook, line and
-column in errors), ``ds_findings`` (the findings collector and value typing), ``ds_zero``
+keys, top-level keys, fp16/bf16 fields), ``ds_shapes`` (what DeepSpeed needs of each section and
+dereferenced scalar: an object, a bool, one of some strings), ``ds_parse`` (hjson with the duplicate-key
+hook, line and column in errors), ``ds_findings`` (the findings collector and value typing), ``ds_zero``
 (``zero_optimization`` and hpZ), ``ds_batch_precision`` (batch keys, fp16/bf16), ``ds_optimizer``
 (optimizer, scheduler, clipping), ``ds_reader`` (``load_ds_config``), ``ds_writer``
 (``build_ds_config``, ``write_ds_config``) and ``ds_diff`` (``diff_ds_configs``). This module
@@ -113,6 +114,7 @@ from zeroplan.specs.ds_schema import (  # noqa: F401
     _default_leaf_module,
     zero_or_default,
 )
+from zeroplan.specs.ds_shapes import SCALARS, SECTIONS, Shape, check_shapes  # noqa: F401
 from zeroplan.specs.ds_writer import _ALWAYS_SHOWN, _zero_to_dict, build_ds_config, write_ds_config  # noqa: F401
 from zeroplan.specs.ds_zero import (  # noqa: F401
     _apply_deprecated,

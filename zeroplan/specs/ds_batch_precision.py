@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from zeroplan.specs.ds_findings import _fmt, _is_auto, _json_type, _Reader
-from zeroplan.specs.ds_keys import _BATCH_KEYS, _BF16_FIELDS, _BF16_KEYS, _FP16_FIELDS, _FP16_KEYS
+from zeroplan.specs.ds_keys import _BATCH_KEYS, _BF16_FIELDS, _FP16_FIELDS, _Field
 
 
 def _read_int_key(r: _Reader, key: str, raw: Any) -> int | None:
@@ -95,7 +95,8 @@ def _read_batch(r: _Reader, raw: dict[str, Any], micro_batch: int | None,
 
     tb, mb, gas = vals["train_batch_size"], vals["train_micro_batch_size_per_gpu"], vals["gradient_accumulation_steps"]
     if tb is None and mb is None:
-        if "train_batch_size" not in raw and "train_micro_batch_size_per_gpu" not in raw:
+        # get_scalar_param: a null is read as the key's absence
+        if raw.get("train_batch_size") is None and raw.get("train_micro_batch_size_per_gpu") is None:
             r.add("DS008", "warning", "train_micro_batch_size_per_gpu",
                   "neither train_batch_size nor train_micro_batch_size_per_gpu is set: "
                   "deepspeed.initialize asserts 'Either train_batch_size or "
@@ -150,35 +151,65 @@ def _fill_batch(r: _Reader, raw: dict[str, Any], given: dict[str, int | None], t
     return tb, mb, gas
 
 
-def _read_precision(r: _Reader, raw: dict[str, Any], precision: str | None) -> tuple[str, str]:
-    def enabled_of(block_key: str, keys: frozenset[str]) -> bool | None:
-        block = raw.get(block_key)
-        if block is None:
-            return False
-        if not isinstance(block, dict):
-            r.add("DS003", "error", block_key, f"{block_key} = {_fmt(block)}: expected an object "
-                  f"such as {{\"enabled\": true}}, got {_json_type(block)}; treated as disabled", block)
-            return False
-        fields = _FP16_FIELDS if keys is _FP16_KEYS else _BF16_FIELDS
-        for k, v in block.items():
-            if k not in keys:
-                r.unknown(f"{block_key}.{k}", keys, "error",
-                          f"DeepSpeed's {block_key} config forbids extra keys")
-            elif k != "enabled" and not _is_auto(v):
-                typ, default = fields[k]
-                if typ is float and isinstance(v, bool):  # fp16.loss_scale rejects bools
-                    r.add("DS003", "error", f"{block_key}.{k}", f"{block_key}.{k} = {_fmt(v)}: "
-                          "expected a number, not a boolean; DeepSpeed rejects it", v)
-                else:
-                    r.value(f"{block_key}.{k}", v, typ, [], default)
-        v = block.get("enabled", False)
-        if _is_auto(v):
-            return None
-        return bool(r.value(f"{block_key}.enabled", v, bool, [], False))
+def _read_precision_block(r: _Reader, raw: dict[str, Any], block_key: str,
+                          fields: dict[str, _Field]) -> tuple[bool | None, dict[str, Any]]:
+    """One fp16/bf16 block: (enabled, None for "auto"; the other fields given, validated)."""
+    block = raw.get(block_key)
+    if not isinstance(block, dict):  # absent or null; any other shape: ds_shapes refused it
+        return False, {}
+    values: dict[str, Any] = {}
+    for k, v in block.items():
+        key = f"{block_key}.{k}"
+        if k not in fields:
+            r.unknown(key, frozenset(fields), "error", f"DeepSpeed's {block_key} config forbids extra keys")
+        elif k != "enabled" and not _is_auto(v):  # "auto": DeepSpeedConfigModel drops it, the default is used
+            f = fields[k]
+            if f.refuses_bool and isinstance(v, bool):  # DeepSpeedFP16Config's before-validators
+                r.add("DS003", "error", key, f"{key} = {_fmt(v)}: expected a number, not a boolean; DeepSpeed "
+                      f"rejects it (DeepSpeedFP16Config); using the default {_fmt(f.default)}", v)
+            else:
+                values[k] = r.value(key, v, f.type, list(f.metadata), f.default)
+    v = block.get("enabled", False)
+    if _is_auto(v):
+        return None, values
+    return bool(r.value(f"{block_key}.enabled", v, bool, [], False)), values
 
-    fp16 = enabled_of("fp16", _FP16_KEYS)
+
+def _check_dynamic_loss_scale(r: _Reader, values: dict[str, Any]) -> None:
+    """DeepSpeedFP16Config._validate_dynamic_loss_scale_params: with fp16 enabled and loss_scale 0 (dynamic
+    loss scaling), loss_scale_window and min_loss_scale must be > 0 (DynamicLossScaler divides by the one
+    and floors the scale at the other)."""
+    if values.get("loss_scale", _FP16_FIELDS["loss_scale"].default) != 0:
+        return
+    for k in ("loss_scale_window", "min_loss_scale"):
+        v = values.get(k, _FP16_FIELDS[k].default)
+        if v <= 0:
+            r.add("DS010", "error", f"fp16.{k}",
+                  f"fp16.{k} = {_fmt(v)}: expected an integer > 0 with dynamic loss scaling (fp16 enabled, "
+                  "loss_scale 0); DeepSpeed rejects it (DeepSpeedFP16Config._validate_dynamic_loss_scale_params)", v)
+
+
+def _resolve_auto_enabled(r: _Reader, name: str, precision: str | None) -> bool:
+    """``fp16/bf16.enabled = "auto"``: what the HF Trainer fills in from its precision argument."""
+    short = "fp16" if name == "fp16" else "bf16"
+    if precision == short:
+        how = f"HF Trainer fills it from --{short}; precision {short} was given"
+        value = True
+    else:
+        how = ("HF Trainer fills it from its training arguments; no precision was given, "
+               "so not enabled" if precision is None else
+               f"precision {precision} was given, so not enabled")
+        value = False
+    r.auto[f"{name}.enabled"] = {"value": value, "how": how}
+    r.add("DS006", "info", f"{name}.enabled", f"{name}.enabled = \"auto\" -> {_fmt(value)} ({how})", "auto")
+    return value
+
+
+def _read_precision(r: _Reader, raw: dict[str, Any], precision: str | None) -> tuple[str, str]:
+    fp16, fp16_values = _read_precision_block(r, raw, "fp16", _FP16_FIELDS)
+    # DeepSpeed's get_bfloat16_config reads the legacy bfloat16 block when bf16 is absent or null
     bf_key = "bf16"
-    if "bf16" not in raw and "bfloat16" in raw:
+    if raw.get("bf16") is None and "bfloat16" in raw:
         bf_key = "bfloat16"
         r.add("DS002", "warning", "bfloat16",
               "bfloat16 is the legacy name of the bf16 block; DeepSpeed still reads it; rename it to bf16",
@@ -187,25 +218,13 @@ def _read_precision(r: _Reader, raw: dict[str, Any], precision: str | None) -> t
         r.add("DS010", "warning", "bfloat16",
               "both bf16 and the legacy bfloat16 block are given: DeepSpeed reads bf16 and ignores "
               "bfloat16", None)
-    bf16 = enabled_of(bf_key, _BF16_KEYS)
-
-    for name, state in (("fp16", fp16), (bf_key, bf16)):
-        if state is None:
-            short = "fp16" if name == "fp16" else "bf16"
-            if precision == short:
-                how = f"HF Trainer fills it from --{short}; precision {short} was given"
-                value = True
-            else:
-                how = ("HF Trainer fills it from its training arguments; no precision was given, "
-                       "so not enabled" if precision is None else
-                       f"precision {precision} was given, so not enabled")
-                value = False
-            r.auto[f"{name}.enabled"] = {"value": value, "how": how}
-            r.add("DS006", "info", f"{name}.enabled", f"{name}.enabled = \"auto\" -> {_fmt(value)} ({how})", "auto")
-            if name == "fp16":
-                fp16 = value
-            else:
-                bf16 = value
+    bf16, _ = _read_precision_block(r, raw, bf_key, _BF16_FIELDS)
+    if fp16 is None:
+        fp16 = _resolve_auto_enabled(r, "fp16", precision)
+    if bf16 is None:
+        bf16 = _resolve_auto_enabled(r, bf_key, precision)
+    if fp16:
+        _check_dynamic_loss_scale(r, fp16_values)
 
     if fp16 and bf16:
         r.add("DS005", "error", "fp16.enabled",

@@ -1,12 +1,15 @@
 """The key tables of a DeepSpeed 0.19.8 config (runtime/config.py, constants.py, zero/config.py):
 the ``stage3_*`` aliases, deprecated and removed keys, the top-level keys DeepSpeed reads, the
-fp16/bf16 fields with their defaults, and the keys of the optimizer, scheduler, leaf_module and
-zenflow blocks. Data only; the readers in ds_*.py use them.
+fp16/bf16 fields with their defaults and constraints, and the keys of the optimizer, scheduler,
+leaf_module and zenflow blocks. Data only; the readers in ds_*.py use them (the shape each value
+must have is in ds_shapes.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import NamedTuple
+
+from pydantic import Field
 
 __all__ = ["TOP_LEVEL_KEYS", "ZEROPLAN_KEY"]
 
@@ -71,17 +74,33 @@ TOP_LEVEL_KEYS: frozenset[str] = frozenset({
     "data_parallel_size",
 })
 
-# fp16 / bf16 blocks (DeepSpeedFP16Config / DeepSpeedBF16Config): field -> (type, default).
-_FP16_FIELDS: dict[str, tuple[Any, Any]] = {
-    "enabled": (bool, False), "auto_cast": (bool, False), "loss_scale": (float, 0.0),
-    "initial_scale_power": (int, 16), "loss_scale_window": (int, 1000), "hysteresis": (int, 2),
-    "consecutive_hysteresis": (bool, False), "min_loss_scale": (int, 1),
-    "fp16_master_weights_and_grads": (bool, False),
+
+class _Field(NamedTuple):
+    """One fp16/bf16 field: its pydantic type and default, its constraints (``Field(...).metadata``), and
+    whether a DeepSpeed before-validator refuses true/false (pydantic alone would coerce them to 1/0)."""
+
+    type: type
+    default: bool | int | float
+    metadata: tuple[object, ...] = ()
+    refuses_bool: bool = False
+
+
+# fp16 / bf16 blocks (runtime/precision_config.py DeepSpeedFP16Config / DeepSpeedBF16Config).
+# loss_scale: DeepSpeedFP16Config._validate_loss_scale (not a bool, finite, >= 0);
+# loss_scale_window, min_loss_scale: _reject_non_integer_scale_params (not a bool); both > 0 with
+# dynamic loss scaling: _validate_dynamic_loss_scale_params (checked by the precision reader).
+_FP16_FIELDS: dict[str, _Field] = {
+    "enabled": _Field(bool, False), "auto_cast": _Field(bool, False),
+    "loss_scale": _Field(float, 0.0, tuple(Field(ge=0, allow_inf_nan=False).metadata),
+                         refuses_bool=True),
+    "initial_scale_power": _Field(int, 16), "loss_scale_window": _Field(int, 1000, refuses_bool=True),
+    "hysteresis": _Field(int, 2), "consecutive_hysteresis": _Field(bool, False),
+    "min_loss_scale": _Field(int, 1, refuses_bool=True), "fp16_master_weights_and_grads": _Field(bool, False),
 }
-_BF16_FIELDS: dict[str, tuple[Any, Any]] = {
-    "enabled": (bool, False), "immediate_grad_update": (bool, False),
-    "check_grad_overflow": (bool, True), "bf16_master_weights_and_grads": (bool, False),
-    "bf16_optimizer_states": (bool, False),
+_BF16_FIELDS: dict[str, _Field] = {
+    "enabled": _Field(bool, False), "immediate_grad_update": _Field(bool, False),
+    "check_grad_overflow": _Field(bool, True), "bf16_master_weights_and_grads": _Field(bool, False),
+    "bf16_optimizer_states": _Field(bool, False),
 }
 _FP16_KEYS = frozenset(_FP16_FIELDS)
 _BF16_KEYS = frozenset(_BF16_FIELDS)

@@ -36,11 +36,7 @@ def _check_optimizer_numbers(r: _Reader, params: dict[str, Any]) -> None:
 
 def _read_optimizer(r: _Reader, raw: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     opt = raw.get("optimizer")
-    if opt is None:
-        return None, {}
-    if not isinstance(opt, dict):
-        r.add("DS003", "error", "optimizer", f"optimizer = {_fmt(opt)}: expected an object such as "
-              "{\"type\": \"AdamW\", \"params\": {...}}", opt)
+    if not isinstance(opt, dict):  # absent, or a shape ds_shapes refused
         return None, {}
     for k in opt:
         if k not in _OPTIMIZER_KEYS:
@@ -74,12 +70,10 @@ def _read_optimizer(r: _Reader, raw: dict[str, Any]) -> tuple[str | None, dict[s
               f"optimizer.params.max_grad_norm = {mgn} is not supported as an optimizer parameter; "
               "DeepSpeed asks for the top-level gradient_clipping instead", mgn)
     sched = raw.get("scheduler")
-    if isinstance(sched, dict):
+    if isinstance(sched, dict):  # any other shape: ds_shapes refused it
         for k in sched:
             if k not in _SCHEDULER_KEYS:
                 r.unknown(f"scheduler.{k}", _SCHEDULER_KEYS, "warning", "DeepSpeed ignores it")
-    elif sched is not None:
-        r.add("DS003", "error", "scheduler", f"scheduler = {_fmt(sched)}: expected an object", sched)
     return typ, dict(params)
 
 

@@ -2,7 +2,9 @@
 section by section, into a ``DSConfig`` with its findings.
 
 It parses (ds_parse), checks the top-level keys (unknown ones DeepSpeed ignores, removed ones it
-rejects) and ``communication_data_type`` here, and reads the other sections with their own modules:
+rejects), the shape of every value DeepSpeed dereferences (ds_shapes: a section that is not an object,
+a wrong-typed scalar), ``communication_data_type`` and ``gradient_allreduce_op`` here, and reads the
+other sections with their own modules:
 ``zero_optimization`` (ds_zero), precision and batch keys (ds_batch_precision), optimizer,
 scheduler and clipping (ds_optimizer). Findings are collected by ``_Reader`` (ds_findings).
 """
@@ -13,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from zeroplan._util import InputError, read_text_file
 from zeroplan.specs.ds_activation_checkpointing import read_activation_checkpointing
 from zeroplan.specs.ds_batch_precision import _read_batch, _read_precision
@@ -20,7 +24,8 @@ from zeroplan.specs.ds_findings import _fmt, _Reader
 from zeroplan.specs.ds_keys import _TOP_REMOVED, TOP_LEVEL_KEYS, ZEROPLAN_KEY
 from zeroplan.specs.ds_optimizer import _read_clipping, _read_optimizer
 from zeroplan.specs.ds_parse import parse_ds_json
-from zeroplan.specs.ds_schema import DEEPSPEED_VERSION, DSConfig
+from zeroplan.specs.ds_schema import DEEPSPEED_VERSION, DSConfig, ZeroConfig
+from zeroplan.specs.ds_shapes import check_shapes
 from zeroplan.specs.ds_zero import _check_hpz, _read_zero
 
 __all__ = ["load_ds_config"]
@@ -35,16 +40,37 @@ def _read_top_level(r: _Reader, raw: dict[str, Any]) -> None:
             r.unknown(k, TOP_LEVEL_KEYS, "warning", "DeepSpeed ignores it")
 
 
-def _read_comm_dtype(r: _Reader, raw: dict[str, Any]) -> str | None:
+def _read_comm_dtype(raw: dict[str, Any]) -> str | None:
+    """The explicit communication_data_type, lower case; None when absent or unusable (ds_shapes reports it)."""
     v = raw.get("communication_data_type")
-    if v is None:
-        return None
     if isinstance(v, str) and v.lower() in ("fp16", "bf16", "fp32"):
         return v.lower()
-    r.add("DS010", "error", "communication_data_type",
-          f"communication_data_type = {_fmt(v)}: DeepSpeed supports 'fp16', 'bf16', 'fp32' "
-          "(raises ValueError otherwise); using the training precision", v)
     return None
+
+
+def _lax_true(value: Any) -> bool:
+    """True where a pydantic ``bool`` field (lax mode, as DeepSpeed's CompileConfig) reads ``value`` as true."""
+    try:
+        return TypeAdapter(bool).validate_python(value) is True
+    except ValidationError:
+        return False
+
+
+def _check_allreduce_op(r: _Reader, raw: dict[str, Any], zero: ZeroConfig) -> None:
+    """DeepSpeedConfig._do_error_check: gradient_allreduce_op "sum" with ZeRO-3, ZenFlow or DeepCompile raises."""
+    op = raw.get("gradient_allreduce_op")
+    if not (isinstance(op, str) and op.lower() == "sum"):
+        return
+    compile_cfg = raw.get("compile")
+    deepcompile = isinstance(compile_cfg, dict) and _lax_true(compile_cfg.get("deepcompile"))
+    for clash, present in (("ZeRO stage 3", zero.stage == 3), ("ZenFlow", zero.zenflow is not None),
+                           ("DeepCompile", deepcompile)):
+        if present:
+            r.add("DS010", "error", "gradient_allreduce_op",
+                  f"gradient_allreduce_op = {_fmt(op)}: expected \"mean\" with {clash}; DeepSpeed "
+                  f"{DEEPSPEED_VERSION} raises ValueError 'not supported with {clash}' "
+                  "(DeepSpeedConfig._do_error_check)", op)
+            return
 
 
 def load_ds_config(source: str | Path | dict, *, strict: bool = False,
@@ -92,11 +118,13 @@ def load_ds_config(source: str | Path | dict, *, strict: bool = False,
               "accepts it, but "
               "json.load-based readers such as Accelerate's HfDeepSpeedConfig reject the file", None)
     _read_top_level(r, raw)
+    check_shapes(r, raw)
     zero = _read_zero(r, raw, raw.get("zero_optimization"), hidden_size)
     prec, prec_source = _read_precision(r, raw, precision)
     opt_type, opt_params = _read_optimizer(r, raw)
     clipping = _read_clipping(r, raw)
-    comm = _read_comm_dtype(r, raw)
+    comm = _read_comm_dtype(raw)
+    _check_allreduce_op(r, raw, zero)
     tb, mb, gas = _read_batch(r, raw, micro_batch, grad_accum, world_size)
     act_ckpt = read_activation_checkpointing(r, raw)
     _check_hpz(r, zero, world_size)

@@ -33,9 +33,11 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
-from zeroplan._util import InputError, atomic_write_text
+from zeroplan._util import InputError, atomic_write_text, fmt_bytes
 from zeroplan.bench.collectives_profile import (  # re-exported: zeroplan.bench.collectives keeps its names
     R2_WARN_BELOW, add_predictions, fit_tiers, measured_link_name, save_profile_from_report)
+from zeroplan.bench.limits import (  # parse_size: re-exported
+    MAX_BUFFER_BYTES, SWEEP_BUFFERS_PER_RANK, check_rank_bytes, parse_size, ranks_on_this_host)
 from zeroplan.specs.collectives import busbw_factor
 
 __all__ = [
@@ -45,7 +47,9 @@ __all__ = [
     "BENCH_OPS",
     "DTYPE_BYTES",
     "parse_size",
+    "MAX_BUFFER_BYTES",
     "message_sizes",
+    "check_sweep_memory",
     "bench_rank",
     "aggregate",
     "run_collectives",
@@ -123,29 +127,6 @@ class CollectivesReport(BaseModel):
 
 
 # ------------------------------------------------------------------ inputs
-_SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
-               "G": 2**30, "GB": 2**30, "GIB": 2**30}
-
-
-def parse_size(text: str | int, what: str) -> int:
-    """'8', '1K', '64M', '1G' -> bytes (binary suffixes, as nccl-tests' -b/-e)."""
-    if isinstance(text, int):
-        value = text
-    else:
-        s = str(text).strip().upper().replace(" ", "")
-        num = s.rstrip("KMGIB")
-        unit = s[len(num):]
-        if not num or unit not in _SIZE_UNITS:
-            raise InputError(f"{what} {text!r}: expected bytes such as 1024, 1K, 64M or 1G")
-        try:
-            value = int(float(num) * _SIZE_UNITS[unit])
-        except ValueError:
-            raise InputError(f"{what} {text!r}: expected bytes such as 1024, 1K, 64M or 1G") from None
-    if value < 1:
-        raise InputError(f"{what} {text!r}: expected at least 1 byte")
-    return value
-
-
 def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     """Geometric sweep min, min·f, ... <= max (bytes)."""
     if factor < 2:
@@ -177,7 +158,18 @@ def validate_config(cfg: BenchConfig) -> None:
         raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
     if not cfg.straggler_threshold > 1.0:
         raise InputError(f"--straggler-threshold {cfg.straggler_threshold}: expected a ratio > 1 (e.g. 1.5)")
+    for flag, value in (("--min-bytes", cfg.min_bytes), ("--max-bytes", cfg.max_bytes)):
+        parse_size(value, flag)  # at least 1 byte, at most MAX_BUFFER_BYTES (also for a BenchConfig built in code)
     message_sizes(cfg.min_bytes, cfg.max_bytes, cfg.factor)
+
+
+def check_sweep_memory(cfg: BenchConfig, backend: str, ranks: int) -> None:
+    """InputError (before any rank starts) when the largest size's buffers do not fit one rank: over
+    ``MAX_BUFFER_BYTES``, or on gloo over the host's available memory shared by ``ranks`` local ranks."""
+    check_rank_bytes(SWEEP_BUFFERS_PER_RANK * cfg.max_bytes, device="cuda" if backend == "nccl" else "cpu",
+                     ranks=ranks, lower="--max-bytes",
+                     what=f"--max-bytes {cfg.max_bytes} ({fmt_bytes(cfg.max_bytes)}): the largest size's "
+                          f"{SWEEP_BUFFERS_PER_RANK} buffers (full, output, shard) need")
 
 
 def _env_delays() -> dict[int, float]:
@@ -330,6 +322,7 @@ def run_collectives(cfg: BenchConfig, *, nproc: int = 2, backend: str = "auto", 
     validate_config(cfg)
     backend = resolve_backend(backend)
     if under_torchrun():
+        check_sweep_memory(cfg, backend, ranks_on_this_host(1))
         world = int(os.environ["WORLD_SIZE"])
         _check_groups(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)) if cfg.gpus_per_node is None
                       else cfg.gpus_per_node)
@@ -341,6 +334,7 @@ def run_collectives(cfg: BenchConfig, *, nproc: int = 2, backend: str = "auto", 
     from zeroplan.runtime.launch import check_world_size
 
     check_world_size(nproc)  # --nproc first: the node layout is derived from it
+    check_sweep_memory(cfg, backend, nproc)
     if cfg.gpus_per_node is None:
         cfg = cfg.model_copy(update={"gpus_per_node": nproc})
     _check_groups(cfg, nproc, cfg.gpus_per_node)

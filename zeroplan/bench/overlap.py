@@ -38,9 +38,11 @@ from pydantic import BaseModel, Field
 
 from zeroplan._util import InputError
 from zeroplan.bench.collectives import DTYPE_BYTES
+from zeroplan.bench.limits import check_rank_bytes, parse_size, ranks_on_this_host
 
 __all__ = ["OverlapConfig", "OverlapReport", "slowdown_fraction", "resolve_config", "overlap_rank",
-           "aggregate_overlap", "run_overlap", "save_overlap_profile", "COVER", "OPS"]
+           "aggregate_overlap", "run_overlap", "save_overlap_profile", "COVER", "OPS", "rank_bytes",
+           "check_memory"]
 
 COVER = 2.0  # matmul time / collective time the calibration aims for
 OPS = ("all_gather", "reduce_scatter")
@@ -113,7 +115,34 @@ def resolve_config(cfg: OverlapConfig, device: str) -> dict[str, Any]:
         raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
     if cfg.op not in OPS:
         raise InputError(f"--op {cfg.op!r}: expected one of {', '.join(OPS)}")
+    parse_size(out["size_bytes"], "--size")  # at most MAX_BUFFER_BYTES (also for an OverlapConfig built in code)
     return out
+
+
+def _collective_count(size_bytes: int, dtype: str, world_size: int) -> int:
+    """Elements of the collective's full buffer: ``size_bytes`` rounded down to a multiple of the world."""
+    return max(world_size, size_bytes // DTYPE_BYTES[dtype] // world_size * world_size)
+
+
+def rank_bytes(s: dict[str, Any], world_size: int) -> int:
+    """Bytes one rank holds at its peak for settings ``s`` (``resolve_config``), as ``overlap_rank``
+    allocates them: the matmul operands a (tokens × hidden), b (hidden × 4·hidden; the random matrix it
+    is scaled from is a second one for a moment) and c (tokens × 4·hidden), then the collective's full
+    buffer and its shard."""
+    h, t = s["hidden"], s["tokens"]
+    count = _collective_count(s["size_bytes"], s["dtype"], world_size)
+    a, b, c = t * h, 4 * h * h, 4 * t * h
+    return DTYPE_BYTES[s["dtype"]] * max(a + 2 * b, a + b + c + count + count // world_size)
+
+
+def check_memory(s: dict[str, Any], device: str, world_size: int, ranks: int) -> None:
+    """InputError before any rank starts when one rank's tensors (``rank_bytes``) are over
+    ``MAX_BUFFER_BYTES``, or on CPU over the host's available memory shared by ``ranks`` local ranks."""
+    check_rank_bytes(rank_bytes(s, world_size), device=device, ranks=ranks,
+                     what=(f"--hidden {s['hidden']} × --tokens {s['tokens']} with --size {s['size_bytes']} "
+                           f"({s['dtype']}): the matmul operands (tokens × hidden, hidden × 4·hidden, "
+                           "tokens × 4·hidden) and the collective's buffer and shard need"),
+                     lower="--hidden, --tokens or --size")
 
 
 # ------------------------------------------------------------------ one rank
@@ -133,7 +162,7 @@ def overlap_rank(rank: int, world_size: int, cfg_json: str) -> dict[str, Any]:
     a = torch.randn(t, h, dtype=dtype, device=device)
     b = torch.randn(h, 4 * h, dtype=dtype, device=device) / math.sqrt(h)
     c = torch.empty(t, 4 * h, dtype=dtype, device=device)
-    count = max(world_size, s["size_bytes"] // DTYPE_BYTES[s["dtype"]] // world_size * world_size)
+    count = _collective_count(s["size_bytes"], s["dtype"], world_size)
     full = torch.ones(count, dtype=dtype, device=device)  # the gathered buffer, or the gradient bucket
     shard = torch.ones(count // world_size, dtype=dtype, device=device)
     if cfg.op == "reduce_scatter":
@@ -246,11 +275,14 @@ def run_overlap(cfg: OverlapConfig, *, nproc: int = 2, backend: str = "auto",
     from zeroplan.runtime.launch import check_world_size, join_torchrun, resolve_backend, spawn, under_torchrun
 
     backend = resolve_backend(backend)
-    resolve_config(cfg, "cuda" if backend == "nccl" else "cpu")  # bad settings: one line before any rank starts
+    device = "cuda" if backend == "nccl" else "cpu"
+    s = resolve_config(cfg, device)  # bad settings: one line before any rank starts
     if under_torchrun():
+        check_memory(s, device, int(os.environ["WORLD_SIZE"]), ranks_on_this_host(1))
         per_rank = join_torchrun(overlap_rank, args=(cfg.model_dump_json(),), backend=backend, timeout_s=timeout_s)
         return None if per_rank is None else aggregate_overlap(per_rank, cfg, backend=backend, launcher="torchrun")
     check_world_size(nproc)
+    check_memory(s, device, nproc, nproc)
     per_rank = spawn(overlap_rank, nproc, args=(cfg.model_dump_json(),), backend=backend, timeout_s=timeout_s)
     return aggregate_overlap(per_rank, cfg, backend=backend, launcher="local")
 

@@ -38,6 +38,7 @@ terminal rendering.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from zeroplan._util import InputError, atomic_write_text
@@ -114,6 +115,9 @@ def _parse_stages(stage: Any, ds: Any) -> list[int]:
         vals = list(stage)
     else:
         vals = [s.strip() for s in str(stage).split(",") if s.strip()]
+    if not vals:
+        raise InputError(f"--stage {stage!r}: expected stages 0..3 as a comma list, e.g. 0,1,2,3 "
+                         "(omit --stage for every stage, or the --ds-config's)")
     out = []
     for v in vals:
         try:
@@ -145,12 +149,20 @@ def _memory_limit(memory_limit: Any) -> int | None:
     return limit
 
 
+def _scale_to(name: str, v: int | None) -> int | None:
+    """``--layers`` / ``--hidden``: None (the default) or a whole number >= 1, checked before any work."""
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise InputError(f"{name} {v!r}: expected a whole number >= 1 to scale the model to (omit {name} for the "
+                         "default)")
+    return v
+
+
 def _tolerance(tolerance: float | None) -> dict[str, float] | None:
     """``--tolerance`` as the per-kind tolerances (phase peaks never tighter than their default)."""
     tol = None
     if tolerance is not None:
-        if tolerance < 0:
-            raise InputError(f"--tolerance {tolerance!r}: expected a relative error >= 0, e.g. 0.01")
+        if not (math.isfinite(tolerance) and tolerance >= 0):  # nan and inf too: the report is strict JSON
+            raise InputError(f"--tolerance {tolerance!r}: expected a finite relative error >= 0, e.g. 0.01")
         tol = {"model_state": float(tolerance), "phase_peak": max(float(tolerance), PHASE_PEAK_TOLERANCE)}
     return tol
 
@@ -181,6 +193,10 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
     """The `bench zero` command: returns the exit code (0 ok, 1 a figure out of tolerance or a fault)."""
     from zeroplan.specs.model import load_model
 
+    tol = _tolerance(tolerance)  # the flags' own checks first: nothing is loaded or started before them
+    layers, hidden = _scale_to("--layers", layers), _scale_to("--hidden", hidden)
+    if stage is not None or stages is not None:
+        _parse_stages(stage if stage is not None else stages, None)
     if comm_model not in ("deepspeed", "paper"):
         raise InputError(f"--comm-model {comm_model!r}: expected deepspeed or paper")
     if optimizer not in (None, "adamw", "adam"):
@@ -216,7 +232,6 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
     if nwarm < 0:
         raise InputError(f"--warmup {warmup!r}: expected an integer >= 0")
     limit = _memory_limit(memory_limit)
-    tol = _tolerance(tolerance)
     _check_engine(engine, checkpointing, simulate)
     ft = _bench_finetune(full, method=method, lora_r=lora_r, lora_alpha=lora_alpha, lora_targets=lora_targets,
                          trainable=trainable)

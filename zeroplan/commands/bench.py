@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from zeroplan._util import InputError, validate_output_path
+from zeroplan.bench.limits import MAX_BUFFER_TEXT, SWEEP_BUFFERS_PER_RANK  # no torch: the bounds are in --help
 from zeroplan.commands._common import (
     LoraAlpha,
     LoraR,
@@ -147,7 +148,10 @@ def collectives(
     ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,broadcast,all_to_all", "--ops",
                             help="Comma list of all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, reduce."),
     min_bytes: str = typer.Option("1K", "--min-bytes", help="Smallest full-buffer size (bytes; K/M/G = 2^10/2^20/2^30)."),
-    max_bytes: str = typer.Option("16M", "--max-bytes", help="Largest full-buffer size (bytes; K/M/G binary)."),
+    max_bytes: str = typer.Option("16M", "--max-bytes",
+                                  help=f"Largest full-buffer size (bytes; K/M/G binary; at most {MAX_BUFFER_TEXT}, "
+                                       f"and on gloo {SWEEP_BUFFERS_PER_RANK} buffers of it per rank must fit the "
+                                       "host's available memory)."),
     factor: int = typer.Option(2, "--factor", help="Size multiplier between steps of the sweep."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     warmup: int = typer.Option(5, "--warmup", help="Untimed calls per op and size."),

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import typer
 
+from zeroplan.bench.limits import MAX_BUFFER_TEXT  # no torch: the bound is in --help
 from zeroplan.commands._common import console, handle_errors
 
 __all__ = ["overlap"]
@@ -48,7 +49,8 @@ def overlap(
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Matmul rows (micro-batch × sequence). "
                                                                 "Default 4096 on CUDA, 256 on CPU."),
     size: Optional[str] = typer.Option(None, "--size", help="The collective's full buffer (all-gather output, "
-                                                            "reduce-scatter input; bytes, K/M/G = 2^10/2^20/2^30). "
+                                                            "reduce-scatter input; bytes, K/M/G = 2^10/2^20/2^30; "
+                                                            f"at most {MAX_BUFFER_TEXT}). "
                                                             "Default 256M on CUDA, 4M on CPU."),
     op: str = typer.Option("all_gather", "--op", help="all_gather (ZeRO-3's parameter prefetch) or reduce_scatter "
                                                       "(its gradient buckets behind the backward)."),
@@ -74,6 +76,8 @@ def overlap(
     1 = it serialises with compute. The matmul count is calibrated so compute covers the
     collective twice over. Run it across nodes under torchrun for the inter-node figure, then
     --save-profile PATH --hardware BASE so every plan on that profile uses it.
+    A rank's matrices and buffers (--tokens, --hidden, --size) must fit the cap that bounds --size
+    and, on CPU/gloo, with every local rank's, the host's available memory: checked before any rank starts.
     """
     from zeroplan.commands.bench import check_profile_paths, emit_report, require_torch, run_ranks
 

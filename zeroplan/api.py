@@ -70,6 +70,8 @@ _code = build_plan_inputs.__code__
 _INPUT_KEYWORDS: tuple[str, ...] = _code.co_varnames[_code.co_argcount:_code.co_argcount + _code.co_kwonlyargcount]
 del _code
 _API_ONLY = ("expandable_segments",)  # options with no CLI flag (yet)
+MAX_LORA_RANKS = 16  # LoRA ranks one recommend searches (each is a search over every configuration)
+MAX_LOG_STEPS = 10**9  # optimizer steps one NCCL log can cover (a log of every collective is far shorter)
 
 
 def _options(cls: type[O], options: O | None, fields: dict[str, Any]) -> O:
@@ -320,10 +322,6 @@ def build_report(options: ReportOptions | None = None, /, *,
                                         and v == ReportOptions.model_fields[k].default)}
     return build_report_data(result, inp, max_nodes=opts.max_nodes, comm_model=opts.comm_model, mfu=opts.mfu,
                              inputs=inputs, recommendation=rec, on_step=on_step)
-
-
-MAX_LORA_RANKS = 16  # LoRA ranks one recommend searches (each is a search over every configuration)
-MAX_LOG_STEPS = 10**9  # optimizer steps one NCCL log can cover (a log of every collective is far shorter)
 
 
 def read_nccl_log(file: str, plan: PlanOptions | None = None, /, *, steps: int = 1,

@@ -63,9 +63,10 @@ def _usage_message(exc: _cx.UsageError) -> str:
 
 
 class _StdoutGone(Exception):
-    """stdout's reader went away (EPIPE) inside a command. Click's ``main`` turns an EPIPE OSError
-    into a bare exit 1 (which ``check`` documents as "a finding failed"); this one passes through
-    it to ``main`` below, which exits quietly with 141 as for SIGPIPE."""
+    """stdout's reader went away (EPIPE) inside a command. Click's ``main`` turns an EPIPE OSError,
+    and Rich's ``Console.on_broken_pipe`` a BrokenPipeError, into a bare exit 1 (which ``check``
+    documents as "a finding failed"); this one passes through Click to ``main`` below, which exits
+    quietly with 141 as for SIGPIPE."""
 
     def __init__(self, exc: OSError) -> None:
         super().__init__(str(exc))
@@ -81,6 +82,10 @@ class _ZeroplanGroup(TyperGroup):
         except OSError as exc:
             if isinstance(exc, BrokenPipeError) or exc.errno == errno.EPIPE:
                 raise _StdoutGone(exc) from exc
+            raise
+        except SystemExit as exc:
+            if isinstance(exc.__context__, BrokenPipeError):  # Rich's Console.on_broken_pipe
+                raise _StdoutGone(exc.__context__) from exc
             raise
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
@@ -122,8 +127,8 @@ _app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     # on a terminal help fits its width (up to HELP_WIDTH); in pipes and logs it is HELP_WIDTH wide
-    context_settings={"max_content_width": HELP_WIDTH, "help_option_names": ["--help", "-h"],
-                      "show_default": True, **({} if sys.stdout is not None and sys.stdout.isatty() else {"terminal_width": HELP_WIDTH})},
+    context_settings={"max_content_width": HELP_WIDTH, "help_option_names": ["--help", "-h"], "show_default": True,
+                      **({} if sys.stdout is not None and sys.stdout.isatty() else {"terminal_width": HELP_WIDTH})},
 )
 
 # command name -> the module whose register(app) adds it; order = order in --help.
@@ -239,8 +244,6 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout.flush()  # a full disk or closed pipe shows here, not at interpreter exit
     except SystemExit as exc:
         code = exc.code
-        if isinstance(exc.__context__, BrokenPipeError):  # rich's Console.on_broken_pipe exits 1
-            code = _output_error(exc.__context__)
     except InputError as exc:
         _error(str(exc))
         code = 2

@@ -148,14 +148,15 @@ def check_config(cfg: CpuAdamConfig, nproc: int) -> None:
         raise InputError(f"--threads {cfg.threads}: expected a whole number >= 1")
     if cfg.iters < 1 or cfg.warmup < 0:
         raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
+    from zeroplan.bench.limits import HOST_MEMORY_FRACTION
     from zeroplan.runtime.launch import mem_available_bytes
 
     need = nproc * cfg.params * BYTES_PER_PARAM
     avail = mem_available_bytes()
-    if avail is not None and need > 0.8 * avail:
+    if avail is not None and need > HOST_MEMORY_FRACTION * avail:
         raise InputError(f"--params {cfg.params} × --nproc {nproc}: the partitions need {need / 2**30:.1f} GiB "
-                         f"({BYTES_PER_PARAM} B per parameter), more than 80% of the {avail / 2**30:.1f} GiB "
-                         f"available; lower --params")
+                         f"({BYTES_PER_PARAM} B per parameter), more than {HOST_MEMORY_FRACTION:.0%} of the "
+                         f"{avail / 2**30:.1f} GiB available; lower --params")
 
 
 # ------------------------------------------------------------------ one rank

@@ -25,7 +25,7 @@ __all__ = ["MAX_BUFFER_BYTES", "MAX_BUFFER_TEXT", "HOST_MEMORY_FRACTION", "SWEEP
 
 MAX_BUFFER_BYTES = 2**40
 MAX_BUFFER_TEXT = "1024G (2^40 bytes = 1 TiB)"
-HOST_MEMORY_FRACTION = 0.8  # of MemAvailable, as bench cpu-adam's check: the OS and the launcher need the rest
+HOST_MEMORY_FRACTION = 0.8  # of MemAvailable (every bench, cpu-adam too): the OS and the launcher need the rest
 # bench collectives, per rank at the sweep's largest size: the full buffer, an output buffer of the same
 # size and the shard (at most one more); the previous size's buffers are freed as the next are made.
 SWEEP_BUFFERS_PER_RANK = 3

@@ -324,12 +324,9 @@ def err_console():
 
 def fail(msg: str, code: int = 2) -> None:
     """Print one error line on stderr and exit with ``code`` (2 = bad input)."""
-    from rich.markup import escape
+    from zeroplan.report.render import esc
 
-    from zeroplan._util import safe_text
-
-    one_line = safe_text(" ".join(str(msg).splitlines()))  # one line; no ANSI/control characters
-    err_console().print(f"[bold red]error:[/] {escape(one_line)}")
+    err_console().print(f"[bold red]error:[/] {esc(' '.join(str(msg).splitlines()))}")  # one line, no ANSI
     raise typer.Exit(code)
 
 

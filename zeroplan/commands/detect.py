@@ -18,10 +18,10 @@ __all__ = ["register"]
 
 
 def _render(report, saved: str | None) -> None:
-    from rich.markup import escape as esc
     from rich.table import Table
 
     from zeroplan._util import fmt_gb, fmt_gib
+    from zeroplan.report.render import esc
 
     con = console()
     con.print(f"[bold]{esc(report.hostname)}[/]: {report.gpu_count} NVIDIA GPU(s); driver "

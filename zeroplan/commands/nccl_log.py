@@ -33,8 +33,9 @@ def _more(con: Any, shown: int, total: int, what: str) -> None:
 
 
 def _render(result: Any) -> None:
-    from rich.markup import escape as esc
     from rich.table import Table
+
+    from zeroplan.report.render import esc
 
     con = console()
     s = result.summary

@@ -101,9 +101,15 @@ def zero_for_stage(inp: PlanInputs, stage: int) -> ZeroConfig:
 def _check_positive(name: str, value: int | None) -> None:
     if value is not None and value <= 0:
         raise InputError(f"{name} must be a positive integer, got {value}")
-    bound = MAX_OPTION_VALUES.get(name)
-    if value is not None and bound is not None and value > bound:
-        raise InputError(f"{name} {value:,} is beyond what zeroplan plans: expected at most {bound:,}")
+    if value is not None and name in MAX_OPTION_VALUES:
+        _check_bound(name, f"{name} {value:,}", value)
+
+
+def _check_bound(flag: str, said: str, value: int) -> None:
+    """``value`` (an option's, or the config's for that option, ``said`` as the message names it)
+    within ``MAX_OPTION_VALUES[flag]``."""
+    if value > MAX_OPTION_VALUES[flag]:
+        raise InputError(f"{said} is beyond what zeroplan plans: expected at most {MAX_OPTION_VALUES[flag]:,}")
 
 
 def _checked_options(*, gpus: int | None, nodes: int | None, gpus_per_node: int | None, micro_batch: int | None,
@@ -220,13 +226,11 @@ def _training_setup(*, precision: str | None, optimizer: str | None, micro_batch
     prec, prec_src, opt = _precision_and_optimizer(precision, optimizer, ds, ds_config, assumptions)
     mb = micro_batch or (ds.micro_batch if ds is not None and ds.micro_batch else None) or 1
     gas = grad_accum or (ds.grad_accum if ds is not None and ds.grad_accum else None) or 1
-    for flag, key, value, given in (("--micro-batch", "train_micro_batch_size_per_gpu", mb, micro_batch),
-                                    ("--seq-len", f"{ZEROPLAN_KEY}.seq_len", seq_len, None),
-                                    ("--grad-accum", "gradient_accumulation_steps", gas, grad_accum)):
-        if value > MAX_OPTION_VALUES[flag]:  # the options were checked already: this one is the config's
-            where = f"{ds_config}: {key}" if given is None and ds_config else flag
-            raise InputError(f"{where} = {value:,} is beyond what zeroplan plans: expected at most "
-                             f"{MAX_OPTION_VALUES[flag]:,}")
+    for flag, key, value in (("--micro-batch", "train_micro_batch_size_per_gpu", mb),
+                             ("--seq-len", f"{ZEROPLAN_KEY}.seq_len", seq_len),
+                             ("--grad-accum", "gradient_accumulation_steps", gas)):
+        # the options were checked already (_checked_options): a value beyond the bound is the config's
+        _check_bound(flag, f"{ds_config}: {key} = {value:,}", value)
     impl = _optimizer_step(optimizer_impl, ds, assumptions)
     acc = grad_accum_dtype_from_config(ds, ds_config or "DeepSpeed config")
     assert acc is None or acc in GRAD_ACCUM_DTYPES

@@ -79,6 +79,7 @@ runner = CliRunner()
 # 70B on 8 × A100-40GB, stage 3 only (fast): full fine-tuning fits nowhere, LoRA and QLoRA do
 BIG = dict(model="llama-2-70b", hardware="dgx-a100-40gb", gpus=8, precision="bf16", stage=3, allow_nvme=False,
            quant_storage="bf16")  # ZeRO-3 QLoRA needs 4-bit weights stored in bf16
+NO_QUANT = {**BIG, "quant_storage": None}  # full and LoRA: --quant-storage is refused there
 BIG_ARGS = ["-m", "llama-2-70b", "-H", "dgx-a100-40gb", "--gpus", "8", "-p", "bf16", "--stage", "3", "--no-nvme",
             "--quant-storage", "bf16"]
 
@@ -121,7 +122,7 @@ def test_full_does_not_fit_sentence_quotes_the_variants_numbers(big_any):
     q = first.quantities
     assert q["full_peak"].value == full.peak_bytes and q["usable"].value == fs.usable_gpu_bytes
     assert q["over"].value == full.peak_bytes - fs.usable_gpu_bytes > 0
-    assert full.peak_bytes == min(s.leanest.peak_bytes for s in zeroplan.recommend(**BIG).stages)
+    assert full.peak_bytes == min(s.leanest.peak_bytes for s in zeroplan.recommend(**NO_QUANT).stages)
     q2 = second.quantities
     assert second.text().startswith(f"{chosen.label} fits")
     assert q2["peak"].value == chosen.peak_bytes == big_any.chosen.peak_bytes
@@ -131,13 +132,13 @@ def test_full_does_not_fit_sentence_quotes_the_variants_numbers(big_any):
 
 
 def test_default_method_is_todays_behaviour():
-    rec = zeroplan.recommend(**BIG, method="lora")
+    rec = zeroplan.recommend(**NO_QUANT, method="lora")
     assert rec.finetune_search is None and rec.global_batch is None
     assert rec.finetune.method == "lora" and rec.peft["peft"]["r"] == 8
 
 
 def test_lora_ranks_alone_searches_lora_only():
-    rec = zeroplan.recommend(**BIG, lora_ranks=[4, 16])
+    rec = zeroplan.recommend(**NO_QUANT, lora_ranks=[4, 16])
     assert [v.label for v in rec.finetune_search.variants] == ["LoRA r=4", "LoRA r=16"]
 
 
@@ -188,7 +189,7 @@ def test_grad_accum_rounds_up_and_reports_the_real_batch():
 
 
 def test_recommend_global_batch_sets_grad_accum_and_ds_config():
-    rec = zeroplan.recommend(**BIG, method="lora", global_batch="512samples")
+    rec = zeroplan.recommend(**NO_QUANT, method="lora", global_batch="512samples")
     g, c = rec.global_batch, rec.chosen
     assert g.micro_batch == c.micro_batch and g.grad_accum * c.micro_batch * 8 == g.samples >= 512
     assert g.grad_accum == -(-512 // (c.micro_batch * 8))
@@ -254,7 +255,7 @@ def test_full_fits_only_with_offload_sentence():
 
 def test_sweep_times_lora_as_evaluate_does():
     # the search's shared sweep and evaluate() count the same frozen-weight FLOPs
-    rec = zeroplan.recommend(**BIG, method="lora")
+    rec = zeroplan.recommend(**NO_QUANT, method="lora")
     assert rec.plan.step_time_s == pytest.approx(rec.chosen.step_time_s, rel=1e-12)
     assert rec.plan.time.compute.model_flops < 0.75 * zeroplan.estimate(
         model="llama-2-70b", hardware="dgx-a100-40gb", gpus=8, precision="bf16", stage=3,

@@ -197,9 +197,10 @@ def _variant_options(opts: RecommendOptions, method: str, lora_r: int | None) ->
     """``opts`` for one searched variant: full training drops the LoRA and quantisation settings."""
     upd: dict[str, Any] = {"method": method, "lora_r": lora_r, "lora_ranks": None}
     if method == "full":
-        upd |= {"lora_alpha": None, "lora_targets": None, "dora": False, "modules_to_save": None, "quant_bits": None}
+        upd |= {"lora_alpha": None, "lora_targets": None, "dora": False, "modules_to_save": None, "quant_bits": None,
+                "quant_storage": None}
     elif method == "lora":
-        upd["quant_bits"] = None
+        upd |= {"quant_bits": None, "quant_storage": None}
     return opts.model_copy(update=upd)
 
 
@@ -223,7 +224,7 @@ def _finetune_variants(opts: RecommendOptions) -> tuple[list[str], list[int], li
     qlora_note = ("QLoRA's time counts no dequantisation: bitsandbytes dequantises each 4-bit layer in every "
                   "forward and backward, so real QLoRA steps are slower than shown (its memory is modelled)")
     if opts.method != "any":
-        method = opts.method or ("qlora" if opts.quant_bits else "lora")
+        method = opts.method or ("qlora" if opts.quant_bits or opts.quant_storage else "lora")
         return [method], ranks, [qlora_note] if method == "qlora" else []
     notes = [qlora_note]
     methods = ["full", "lora", "qlora"]

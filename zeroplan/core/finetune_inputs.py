@@ -20,6 +20,7 @@ The four training-file readers (``specs.training_files``) are imported in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,8 +69,9 @@ class FineTuneOptions:
 
     @property
     def given(self) -> bool:
-        return any(v not in (None, False) for v in (self.method, self.lora_r, self.lora_targets, self.dora,
-                                                     self.modules_to_save, self.trainable, self.quant_bits))
+        return any(v not in (None, False) for v in (self.method, self.lora_r, self.lora_alpha, self.lora_targets,
+                                                     self.dora, self.modules_to_save, self.trainable, self.quant_bits,
+                                                     self.quant_storage))
 
 
 def _names(text: str | None) -> tuple[str, ...]:
@@ -91,26 +93,33 @@ def read_training_files(paths: dict[str, str | None]) -> TrainingFile | None:
 
 
 def _fine_tune(spec: ModelSpec, o: FineTuneOptions) -> FineTune | None:
+    if o.lora_alpha is not None and not (math.isfinite(o.lora_alpha) and o.lora_alpha > 0):
+        raise InputError(f"--lora-alpha {o.lora_alpha}: expected a positive finite number (PEFT scales the adapter "
+                         "output by alpha / r)")
     if not o.given:
         return o.from_file
-    method = o.method or ("qlora" if o.quant_bits else ("lora" if (o.lora_r or o.lora_targets or o.dora or o.modules_to_save)
-                                                       else "full"))
+    lora_given = o.lora_r or o.lora_alpha or o.lora_targets or o.dora or o.modules_to_save
+    method = o.method or ("qlora" if o.quant_bits or o.quant_storage else ("lora" if lora_given else "full"))
     if method == "any":  # api.recommend expands it into full, lora and qlora before planning
         raise InputError("--method any searches the method and is a `zeroplan recommend` option; this command plans "
                          "one: full, lora or qlora")
     if method not in ("full", "lora", "qlora"):
         raise InputError(f"--method {method!r} is unknown; expected full, lora or qlora")
     if method == "full":
-        for name, v in (("--lora-r", o.lora_r), ("--lora-targets", o.lora_targets), ("--quant-bits", o.quant_bits)):
+        for name, v in (("--lora-r", o.lora_r), ("--lora-alpha", o.lora_alpha), ("--lora-targets", o.lora_targets),
+                        ("--dora", o.dora or None), ("--modules-to-save", o.modules_to_save),
+                        ("--quant-bits", o.quant_bits), ("--quant-storage", o.quant_storage)):
             if v is not None:
-                raise InputError(f"{name} {v} with --method full; LoRA settings need --method lora or qlora")
+                shown = "" if v is True else f" {v}"
+                raise InputError(f"{name}{shown} with --method full; LoRA settings need --method lora or qlora")
         return FineTune(trainable=_names(o.trainable)) if o.trainable else None
     if method == "qlora" and o.quant_bits is None:
         o.quant_bits = 4
     if o.quant_bits is not None and o.quant_bits not in (4, 8):
         raise InputError(f"--quant-bits {o.quant_bits}: bitsandbytes quantises to 4 or 8 bits")
-    if method == "lora" and o.quant_bits is not None:
-        raise InputError(f"--quant-bits {o.quant_bits} with --method lora; quantised base weights are --method qlora")
+    if method == "lora" and (o.quant_bits is not None or o.quant_storage is not None):
+        said = f"--quant-bits {o.quant_bits}" if o.quant_bits is not None else f"--quant-storage {o.quant_storage}"
+        raise InputError(f"{said} with --method lora; quantised base weights are --method qlora")
     if o.lora_r is not None and not 1 <= o.lora_r <= 1 << 16:
         raise InputError(f"--lora-r {o.lora_r}: expected a rank from 1 to 65536")
     if o.lora_targets is None:

@@ -1,0 +1,162 @@
+"""What the adversarial sweep of stop 27 left accepted in silence, and the numbers CPython cannot read.
+
+Each case failed before its fix: a traceback (a number of over 4,300 digits in a config.json, a
+hardware TOML, a training YAML, or an NCCL log), a value planned as if it were meaningful
+(``--lora-alpha nan``, LoRA flags with ``--method full``, an NCCL record of ``nranks=0``), an
+offload option that did nothing without saying so, or a ``bench zero`` that started ranks for a
+sequence no host could hold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from zeroplan.cli import app
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[2]
+HUGE = "9" * 5000  # CPython's int() refuses over 4,300 digits (sys.get_int_max_str_digits)
+TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "vocab_size": 100, "intermediate_size": 128}
+
+
+def _cli(args: list[str]):
+    return runner.invoke(app, args, catch_exceptions=True)
+
+
+def _rejected(result, *needles: str) -> str:
+    assert result.exit_code == 2, (result.exit_code, result.output[-800:])
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.output[-800:]
+    for n in needles:
+        assert n in result.output, (n, result.output[-800:])
+    return result.output
+
+
+def _plan(args: list[str]) -> dict:
+    r = _cli(["estimate", *args, "--json"])
+    assert r.exit_code == 0, r.output[-800:]
+    return json.loads(r.output)
+
+
+# ------------------------------------------------------------------- fine-tuning flags
+@pytest.mark.parametrize("alpha", ["nan", "inf", "-inf", "0", "-16"])
+def test_lora_alpha_must_be_positive_and_finite(alpha):
+    _rejected(_cli(["estimate", "-m", "llama-2-7b", "--method", "lora", f"--lora-alpha={alpha}"]),
+              "--lora-alpha", "expected a positive finite number")
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--lora-alpha", "16"], "--lora-alpha 16.0 with --method full"),
+    (["--dora"], "--dora with --method full"),
+    (["--modules-to-save", "lm_head"], "--modules-to-save lm_head with --method full"),
+    (["--quant-storage", "bf16"], "--quant-storage bf16 with --method full"),
+])
+def test_lora_flags_with_full_training_are_refused(flags, named):
+    _rejected(_cli(["estimate", "-m", "llama-2-7b", "--method", "full", *flags]), named)
+
+
+def test_quant_storage_with_plain_lora_is_refused():
+    _rejected(_cli(["estimate", "-m", "llama-2-7b", "--method", "lora", "--quant-storage", "bf16"]),
+              "--quant-storage bf16 with --method lora", "--method qlora")
+
+
+def test_lora_alpha_alone_plans_lora_as_the_other_lora_flags_do():
+    assert _plan(["-m", "llama-2-7b", "--lora-alpha", "32"])["finetune"]["method"] == "lora"
+    assert _plan(["-m", "llama-2-7b", "--quant-storage", "bf16", "-p", "bf16"])["finetune"]["method"] == "qlora"
+
+
+# ------------------------------------------------------------------- offload options below their stage
+def test_offload_options_say_where_they_do_nothing():
+    notes = [a for a in _plan(["-m", "gpt2", "--offload-param", "cpu", "--offload-optimizer", "nvme"])["assumptions"]
+             if "no effect" in a]
+    assert notes == [
+        "--offload-optimizer nvme has no effect at stage 0 (DeepSpeed offloads optimizer states from stage 1): "
+        "planned without it there",
+        "--offload-param cpu has no effect at stages 0, 1, 2 (DeepSpeed offloads parameters only in stage 3): "
+        "planned without it there",
+    ]
+    assert not [a for a in _plan(["-m", "gpt2", "--offload-param", "cpu", "--stage", "3"])["assumptions"]
+                if "no effect" in a]
+    assert not [a for a in _plan(["-m", "gpt2", "--offload-param", "none"])["assumptions"] if "no effect" in a]
+
+
+# ------------------------------------------------------------------- numbers of over 4,300 digits
+@pytest.fixture
+def huge_files(tmp_path: Path) -> dict[str, Path]:
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(TINY).replace('"hidden_size": 64', f'"hidden_size": {HUGE}'))
+    profile = tmp_path / "hw.toml"
+    text = (REPO / "hardware_profiles" / "dgx-h100.toml").read_text()
+    profile.write_text(text.replace("gpus_per_node = 8", f"gpus_per_node = {HUGE}", 1))
+    assert profile.read_text() != text
+    axolotl = tmp_path / "ax.yaml"
+    axolotl.write_text(f"base_model: gpt2\nmicro_batch_size: {HUGE}\nsequence_len: 512\n")
+    hf = tmp_path / "args.json"
+    hf.write_text(f'{{"per_device_train_batch_size": {HUGE}}}')
+    return {"model": model, "profile": profile, "axolotl": axolotl, "hf": hf}
+
+
+@pytest.mark.parametrize("which,args", [
+    ("model", ["-m", "{}"]),
+    ("profile", ["-m", "gpt2", "-H", "{}"]),
+    ("axolotl", ["--axolotl", "{}"]),
+    ("hf", ["-m", "gpt2", "--hf-args", "{}"]),
+])
+def test_a_number_of_5000_digits_is_one_error_line(huge_files, which, args):
+    path = str(huge_files[which])
+    _rejected(_cli(["estimate", *[a.format(path) for a in args]]), path, "a number of over 4,300 digits")
+
+
+def test_nccl_log_records_numbers_nccl_cannot_log_are_skipped_and_said(tmp_path):
+    rec = ("h:1:1 [0] NCCL INFO {op}: opCount 0 sendbuff 0x1 recvbuff 0x1 count {count} datatype 7 op 0 root 0 "
+           "comm 0xa [nranks={nranks}] stream 0x2")
+    log = tmp_path / "nccl.log"
+    log.write_text("\n".join([
+        rec.format(op="AllReduce", count=10, nranks=2),
+        rec.format(op="AllReduce", count=10, nranks=0),
+        rec.format(op="AllGather", count=2**48 + 1, nranks=2),
+        rec.format(op="AllGather", count=HUGE, nranks=2),  # no record: the pattern takes at most 30 digits
+        f"[E x] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "
+        f"Timeout(ms)={HUGE}) ran for 1 milliseconds",
+        "[E x] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, OpType=ALLREDUCE, "
+        "Timeout(ms)=\u00b2) ran for 1 milliseconds",
+    ]) + "\n")
+    r = _cli(["nccl-log", str(log), "--json"])
+    assert r.exit_code == 0, r.output[-800:]
+    summary = json.loads(r.output)["summary"]
+    assert [(c["op"], c["nranks"]) for c in summary["collectives"]] == [("all_reduce", 2)]
+    skipped = sorted(i["line"] for i in summary["issues"] if i["kind"] == "skipped")
+    assert skipped == [2, 3]
+    timeouts = [i for i in summary["issues"] if i["kind"] == "timeout"]
+    assert len(timeouts) == 2 and all(i["timeout_ms"] is None for i in timeouts)
+
+
+# ------------------------------------------------------------------- bench zero's per-rank work
+@pytest.mark.parametrize("args,needle", [
+    (["--seq-len", "99999999"], "--seq-len 99,999,999 is beyond what bench zero runs: expected at most 16,777,216"),
+    (["--micro-batch", "2000000"], "--micro-batch 2,000,000 is beyond what bench zero runs"),
+    (["--grad-accum", "16777217"], "--grad-accum 16,777,217 is beyond what bench zero runs"),
+])
+def test_bench_zero_bounds_the_work_per_rank_as_estimate_does(args, needle):
+    pytest.importorskip("torch")
+    _rejected(_cli(["bench", "zero", "--model", "gpt2", "--stage", "2", "--backend", "gloo", *args]), needle)
+
+
+def test_bench_zero_checks_the_planned_peak_against_host_memory_before_any_rank(monkeypatch):
+    pytest.importorskip("torch")
+    import zeroplan.runtime.launch as launch
+
+    monkeypatch.setattr(launch, "mem_available_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("ranks started"))
+    out = _rejected(_cli(["bench", "zero", "--model", "gpt2", "--stage", "2", "--backend", "gloo",
+                          "--seq-len", "16000000"]),
+                    "--micro-batch 2 × --seq-len 16,000,000 on 198,400 parameters: the planner's peak for this run is",
+                    "× 2 rank(s) on this host, more than 80% of the 8.00 GiB")
+    assert "lower --micro-batch, --seq-len, --layers or --hidden" in out

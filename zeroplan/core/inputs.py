@@ -289,6 +289,19 @@ def _stages(stage_list: list[int] | None, ds: DSConfig | None) -> list[int]:
     return stages
 
 
+def _unused_offload_notes(stages: list[int], offload_optimizer: str | None, offload_param: str | None) -> list[str]:
+    """What an offload option cannot do at some planned stage, as the config's DS010 warnings say it
+    (specs/ds_zero.py): DeepSpeed offloads parameters only in stage 3 and optimizer states from stage 1."""
+    out = []
+    for flag, dev, lowest in (("--offload-optimizer", offload_optimizer, 1), ("--offload-param", offload_param, 3)):
+        skipped = [str(st) for st in stages if st < lowest]
+        if dev not in (None, "none") and skipped:
+            out.append(f"{flag} {dev} has no effect at stage{'s' * (len(skipped) > 1)} {', '.join(skipped)} (DeepSpeed offloads "
+                       f"{'parameters only in stage 3' if lowest == 3 else 'optimizer states from stage 1'}): "
+                       "planned without it there")
+    return out
+
+
 def _load_hardware(hardware: str | None) -> HardwareProfile | None:
     """The hardware profile by name or path; None when none was given."""
     if hardware is None:
@@ -383,6 +396,7 @@ def build_plan_inputs(
     training = _activation_code(training, activations, meta, ds, ds_config, assumptions)
 
     stages = _stages(stage_list, ds)
+    assumptions.extend(_unused_offload_notes(stages, offload_optimizer, offload_param))
     if spec.approximate:
         assumptions.extend(spec.notes)
     file_notes += fill_from_record(ft_opts, meta.get("finetune"), str(ds_config))

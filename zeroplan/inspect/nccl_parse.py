@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from zeroplan.inspect.nccl_collectives import collective_records
 from zeroplan.inspect.nccl_patterns import _COLL, _MAX_LINE_CHARS, _segments
-from zeroplan.inspect.nccl_records import _handle_record, _scan_free_text, _State
+from zeroplan.inspect.nccl_records import _handle_record, _scan_free_text, _State, count_collective
 from zeroplan.inspect.nccl_summary import NcclCommunicator, NcclLogSummary, NcclRing, NcclTransport
 
 
@@ -30,8 +30,7 @@ def parse_nccl_log(text: str) -> NcclLogSummary:
                 continue
             m = _COLL.match(line.strip())
             if m:  # an orphan COLL record whose header is lost: counted under an unknown rank
-                key = (m.group("op"), int(m.group("count")), int(m.group("dtype")), int(m.group("nranks")))
-                st.colls[key][("?", 0, 0)] += 1
+                count_collective(st, m, ("?", 0, 0), line_no)
                 st.lines_nccl += 1
                 continue
             if not _scan_free_text(st, line, line_no, None):

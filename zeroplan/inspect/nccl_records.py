@@ -21,7 +21,9 @@ from zeroplan.inspect.nccl_patterns import (
     _INIT,
     _INIT_PHASE,
     _KNOWN_QUIET,
+    _MAX_COUNT,
     _MAX_ISSUES,
+    _MAX_NRANKS,
     _NET_DEV,
     _NET_USING,
     _NVLS_SUPPORT,
@@ -104,6 +106,11 @@ class _State:
         self.issues[key] = NcclIssue(kind=kind, message=message, line=line_no, host=host, **extra)
 
 
+def _plain_digits(text: str) -> bool:
+    """ASCII digits int() takes: "²".isdigit() is true but int("²") fails, as do over 4,300 digits."""
+    return text.isascii() and text.isdigit() and len(text) <= 30
+
+
 def _scan_free_text(st: _State, text: str, line_no: int, host: str | None) -> bool:
     """Look for version / timeout / error text outside NCCL records. True if something matched."""
     found = False
@@ -127,7 +134,7 @@ def _scan_free_text(st: _State, text: str, line_no: int, host: str | None) -> bo
             line_no,
             host,
             op=fields.get("OpType"),
-            timeout_ms=int(timeout_ms) if timeout_ms and timeout_ms.isdigit() else None,
+            timeout_ms=int(timeout_ms) if timeout_ms and _plain_digits(timeout_ms) else None,
         )
         return True
     if _ERROR.search(text):
@@ -147,7 +154,7 @@ def _handle_record(st: _State, hdr: tuple[str, int, int, int, str], msg: str, li
         st.add_issue("warn", msg, line_no, host)
         return
 
-    if _traffic(st, hdr, msg) or _topology(st, hdr, msg) or _network(st, hdr, msg):
+    if _traffic(st, hdr, msg, line_no) or _topology(st, hdr, msg) or _network(st, hdr, msg):
         return
 
     if _VERSION.search(msg):
@@ -165,13 +172,26 @@ def _handle_record(st: _State, hdr: tuple[str, int, int, int, str], msg: str, li
         st.lines_unrecognized += 1
 
 
-def _traffic(st: _State, hdr: tuple[str, int, int, int, str], msg: str) -> bool:
+def count_collective(st: _State, m: re.Match[str], source: tuple[str, int, int], line_no: int) -> None:
+    """Count one COLL record under ``source`` (host, pid, device), unless its numbers cannot come
+    from NCCL: a communicator of no rank or over ``_MAX_NRANKS``, or a count over ``_MAX_COUNT``
+    elements. Such a record is skipped and reported as an issue naming the line."""
+    op, count, nranks = m.group("op"), int(m.group("count")), int(m.group("nranks"))
+    if not 1 <= nranks <= _MAX_NRANKS or count > _MAX_COUNT:
+        what = f"nranks={nranks:,}" if not 1 <= nranks <= _MAX_NRANKS else f"count {count:,}"
+        st.add_issue("skipped", f"{_clip(op)} record with {_clip(what)} skipped: expected nranks from 1 to "
+                     f"{_MAX_NRANKS:,} and a count of at most {_MAX_COUNT:,} elements", line_no,
+                     None if source[0] == "?" else source[0])
+        return
+    st.colls[(op, count, int(m.group("dtype")), nranks)][source] += 1
+
+
+def _traffic(st: _State, hdr: tuple[str, int, int, int, str], msg: str, line_no: int) -> bool:
     """Collectives (COLL lines) and connections ("via" lines)."""
     host, pid, _, dev, _ = hdr
     m = _COLL.match(msg)
     if m:
-        key = (m.group("op"), int(m.group("count")), int(m.group("dtype")), int(m.group("nranks")))
-        st.colls[key][(host, pid, dev)] += 1
+        count_collective(st, m, (host, pid, dev), line_no)
         return True
 
     m = _CONN.match(msg)

@@ -349,6 +349,15 @@ _COUNT_RE = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+
 _COUNT_MAX_CHARS = 64
 
 
+def parse_error_text(exc: ValueError) -> str:
+    """A JSON/TOML/YAML parser's ValueError as the user should read it. CPython's int() refuses a
+    number of over 4,300 digits (``sys.get_int_max_str_digits``); its message advises a Python
+    call, which is no use to someone whose file holds such a number."""
+    if "integer string conversion" in str(exc):
+        return "a number of over 4,300 digits (no value zeroplan reads has that many)"
+    return str(exc)
+
+
 def parse_count(text: str, what: str = "count") -> int:
     """Parse '7B', '70e9', '1.3T', '125M', '6738415616' into an int (decimal suffixes)."""
     text = str(text)

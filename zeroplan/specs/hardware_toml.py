@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from zeroplan._util import GB, GiB, InputError, atomic_write_text
+from zeroplan._util import GB, GiB, InputError, atomic_write_text, parse_error_text
 from zeroplan.specs.hardware_checks import validate_profile
 from zeroplan.specs.hardware_schema import FLOP_DTYPES, HardwareProfile
 
@@ -75,6 +75,8 @@ def parse_profile_toml(text: str, where: str = "<toml>") -> HardwareProfile:
         raise InputError(f"{where}: malformed TOML: {exc}") from None
     except RecursionError:
         raise InputError(f"{where}: malformed TOML: nested too deeply") from None
+    except ValueError as exc:
+        raise InputError(f"{where}: malformed TOML: {parse_error_text(exc)}") from None
     if "path" in data:
         raise InputError(f"{where}: unknown key path; the file location is not stored in the file")
     _reject_bools(data, where)

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from zeroplan._util import InputError, read_text_file
+from zeroplan._util import InputError, parse_error_text, read_text_file
 
 __all__ = ["hf_hub_cache_dir", "hf_cache_config"]
 
@@ -84,6 +84,8 @@ def _parse_json(path: Path) -> Any:
         raise InputError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     except RecursionError:
         raise InputError(f"{path}: invalid JSON: nested too deeply for a config.json") from None
+    except ValueError as exc:
+        raise InputError(f"{path}: invalid JSON: {parse_error_text(exc)}") from None
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from zeroplan._util import InputError, read_text_file
+from zeroplan._util import InputError, parse_error_text, read_text_file
 from zeroplan.specs.finetune import FineTune
 
 MAX_FILE_BYTES = 4 * 1024 * 1024
@@ -51,7 +51,9 @@ def _load_mapping(path: str | Path, what: str) -> dict[str, Any]:
         try:
             data = json.loads(text)
         except ValueError as exc:
-            raise InputError(f"{path}: not valid JSON ({exc})") from None
+            raise InputError(f"{path}: not valid JSON ({parse_error_text(exc)})") from None
+        except RecursionError:
+            raise InputError(f"{path}: nested too deeply") from None
     else:
         import yaml
 
@@ -63,6 +65,8 @@ def _load_mapping(path: str | Path, what: str) -> dict[str, Any]:
             raise InputError(f"{path}{at}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
         except RecursionError:
             raise InputError(f"{path}: nested too deeply") from None
+        except ValueError as exc:  # yaml's int() of a number of over 4,300 digits
+            raise InputError(f"{path}: not valid YAML ({parse_error_text(exc)})") from None
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a mapping of keys to values at the top level, got {type(data).__name__}")
     return data

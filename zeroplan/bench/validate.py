@@ -42,6 +42,7 @@ import math
 from typing import Any
 
 from zeroplan._util import InputError, atomic_write_text
+from zeroplan.core.inputs import MAX_OPTION_VALUES
 from zeroplan.bench.zero_compare import (  # noqa: F401 - re-exported
     _CATS, _PHASES, _STATES, MODEL_STATE_TOLERANCE, PHASE_PEAK_TOLERANCE, _row, compare)
 from zeroplan.bench.zero_inputs import header_lines
@@ -131,8 +132,13 @@ def _parse_stages(stage: Any, ds: Any) -> list[int]:
 
 
 def _positive(name: str, v: Any) -> int:
+    """A positive option value; the per-GPU work options within the planner's bounds
+    (core/inputs.MAX_OPTION_VALUES), as ``estimate`` takes them."""
     if v is None or int(v) < 1:
         raise InputError(f"{name} {v!r}: expected a positive integer")
+    bound = MAX_OPTION_VALUES.get(name)
+    if bound is not None and int(v) > bound:
+        raise InputError(f"{name} {int(v):,} is beyond what bench zero runs: expected at most {bound:,}")
     return int(v)
 
 

@@ -5,10 +5,12 @@ and the simulated trace, each compared stage by stage into a JSON-able report (s
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Any
 
 from zeroplan._util import InputError
+from zeroplan.bench.limits import check_rank_bytes, ranks_on_this_host
 from zeroplan.bench.zero_compare import MODEL_STATE_TOLERANCE, PHASE_PEAK_TOLERANCE, _row, compare
 from zeroplan.bench.zero_inputs import scale_buckets, user_zero_keys
 from zeroplan.bench.zero_measure import _group, _preload_dispatch, _rank_entry
@@ -44,14 +46,17 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
               "steps": steps, "comm_model": comm_model, "memory_limit_bytes": memory_limit_bytes, "fault": fault,
               "checkpointing": checkpointing, "finetune": finetune}
     runs, buckets = _stage_runs(stages, ds, zero_overrides, bucket_scale, warmup, common)
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc  # torchrun has checked the variables
+    plans = [predict(spec, runs[k]["zero"], precision=precision, micro_batch=micro_batch, seq_len=seq_len,
+                     grad_accum=grad_accum, n=world, comm_model=comm_model,
+                     hardware=hardware, checkpointing=checkpointing, finetune=finetune) for k in range(len(stages))]
+    check_rank_bytes(max(p.memory.peak for p in plans), device=device, ranks=ranks_on_this_host(nproc),
+                     what=f"--micro-batch {micro_batch:,} × --seq-len {seq_len:,} on {spec.params:,} parameters: "
+                          "the planner's peak for this run is", lower="--micro-batch, --seq-len, --layers or --hidden")
     failures = []
-    world = nproc
     _preload_dispatch()
     try:
         if under_torchrun():
-            import os
-
-            world = int(os.environ["WORLD_SIZE"])
             per_rank = join_torchrun(_rank_entry, args=(spec, runs, device), backend=backend, timeout_s=timeout_s)
             if per_rank is None:
                 return {"ok": True, "rank": int(os.environ.get("RANK", "0")), "non_zero_rank": True}
@@ -72,10 +77,7 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
     }
     ok = not failures
     for k, st in enumerate(stages):
-        zero = runs[k]["zero"]
-        plan = predict(spec, zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                       grad_accum=grad_accum, n=world, comm_model=comm_model, hardware=hardware,
-                       checkpointing=checkpointing, finetune=finetune)
+        zero, plan = runs[k]["zero"], plans[k]
         entry: dict[str, Any] = {"stage": st, "zero": zero.model_dump(mode="json", include={
             "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "overlap_comm", "contiguous_gradients", "param_persistence_threshold",
             "max_reuse_distance", "sub_group_size", "use_multi_rank_bucket_allreduce"}),

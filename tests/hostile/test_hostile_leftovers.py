@@ -160,3 +160,14 @@ def test_bench_zero_checks_the_planned_peak_against_host_memory_before_any_rank(
                     "--micro-batch 2 × --seq-len 16,000,000 on 198,400 parameters: the planner's peak for this run is",
                     "× 2 rank(s) on this host, more than 80% of the 8.00 GiB")
     assert "lower --micro-batch, --seq-len, --layers or --hidden" in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["recommend", "-m", "gpt2", "-H", "dgx-h100", "--global-batch", f"{HUGE}tokens"],
+     "more tokens than a float holds; expected at most 1e+12"),
+    (["recommend", "-m", "gpt2", "-H", "dgx-h100", "--lora-ranks", HUGE], "is not a positive whole rank"),
+    (["recommend", "-m", "gpt2", "-H", "dgx-h100", "--lora-ranks", "\u00b2"], "'\u00b2' is not a positive whole rank"),
+    (["estimate", "-m", "gpt2", "--trainable", f"last:{HUGE}"], "expected last:K with 1 <= K <= 12 layers"),
+])
+def test_options_with_5000_digits_are_one_error_line(args, needle):
+    _rejected(_cli(args), needle)

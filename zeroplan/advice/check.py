@@ -222,7 +222,7 @@ def check_config(
         )
     except InputError as exc:  # the CLI options were validated before: this is the file itself
         msg = str(exc)
-        m = re.search(r"line (\d+)", msg)
+        m = re.search(r"line (\d{1,9})\b", msg)
         findings.append(LocatedFinding(rule_id="ZP000", severity="error", message=msg, file=path,
                                        line=int(m.group(1)) if m else 1))
         return ConfigCheck(path=path, verdict="fail", findings=findings, rules=["ZP000"], error=msg)

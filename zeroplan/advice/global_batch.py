@@ -67,10 +67,11 @@ def parse_global_batch(text: str) -> tuple[int, str]:
         why = "give the unit" if m is not None and not m.group(3) else "cannot read it"
         raise InputError(f"--global-batch {text!r}: {why}; expected {GLOBAL_BATCH_SYNTAX}")
     value = float(m.group(1)) * _SCALE[m.group(2).lower()]
+    if value > MAX_GLOBAL_BATCH:  # inf too: float() of a 5,000-digit number
+        said = f"{value:g} {unit}" if math.isfinite(value) else f"more {unit} than a float holds"
+        raise InputError(f"--global-batch {text!r} is {said}; expected at most {MAX_GLOBAL_BATCH:.0e}")
     if value != int(value) or value < 1:
         raise InputError(f"--global-batch {text!r} is {value:g} {unit}; expected a whole number of at least 1")
-    if value > MAX_GLOBAL_BATCH:
-        raise InputError(f"--global-batch {text!r} is {value:g} {unit}; expected at most {MAX_GLOBAL_BATCH:.0e}")
     return int(value), unit
 
 

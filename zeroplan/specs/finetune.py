@@ -165,8 +165,10 @@ def _saved(module: str, role: str, modules_to_save: tuple[str, ...]) -> bool:
 
 
 def _last_layers(spec: ModelSpec, pattern: str) -> set[int] | None:
-    m = re.fullmatch(r"last:(\d+)", pattern)
+    m = re.fullmatch(r"last:(\d{1,30})", pattern)  # int() refuses over 4,300 digits
     if m is None:
+        if re.fullmatch(r"last:\d+", pattern):
+            raise InputError(f"--trainable {pattern[:40]!r}…: expected last:K with 1 <= K <= {spec.num_layers} layers")
         return None
     k = int(m.group(1))
     if not 1 <= k <= spec.num_layers:

@@ -217,9 +217,22 @@ def _output_error(exc: BaseException) -> int:
     return 2
 
 
+def _drop_unreadable_terminal_size() -> None:
+    """Rich reads ``COLUMNS``/``LINES`` with int() when ``str.isdigit()`` says they are digits, and
+    int() raises for digits it cannot take ("²" is a digit to isdigit(); over 4,300 digits is
+    CPython's limit). Such a value is dropped and the terminal's own size is used. A width that
+    parses is bounded where it matters (charts: report/charts.MAX_CHART_WIDTH)."""
+    for name in ("COLUMNS", "LINES"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and not (value.isascii() and len(value) <= 9):
+            del os.environ[name]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: InputError → exit 2 with one line; SIGINT → 130; SIGTERM → 143."""
     from zeroplan._util import remove_live_temps
+
+    _drop_unreadable_terminal_size()
 
     for stream in (sys.stdout, sys.stderr):
         try:  # an ASCII locale or a lone surrogate in a name: replace, never UnicodeEncodeError

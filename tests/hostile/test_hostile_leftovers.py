@@ -171,3 +171,17 @@ def test_bench_zero_checks_the_planned_peak_against_host_memory_before_any_rank(
 ])
 def test_options_with_5000_digits_are_one_error_line(args, needle):
     _rejected(_cli(args), needle)
+
+
+@pytest.mark.parametrize("name", ["COLUMNS", "LINES"])
+@pytest.mark.parametrize("value", ["\u00b2", HUGE])
+def test_a_terminal_size_int_cannot_read_is_ignored(name, value):
+    """Rich int()s COLUMNS/LINES when isdigit() is true: '²' and 5,000 digits raised in Console()."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "zeroplan", "models", "list"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env={**os.environ, name: value})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-800:]
+    assert "llama-2-7b" in r.stdout

@@ -185,3 +185,16 @@ def test_a_terminal_size_int_cannot_read_is_ignored(name, value):
                        timeout=120, cwd=REPO, env={**os.environ, name: value})
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-800:]
     assert "llama-2-7b" in r.stdout
+
+
+@pytest.mark.parametrize("value", ["abc", "1:", "1:nan", "-1:0.1", "1:1e9", f"{HUGE}:1", "\u00b2:1"])
+def test_a_bad_bench_delay_hook_is_one_line_before_any_rank(monkeypatch, value):
+    """ZEROPLAN_BENCH_DELAY was parsed inside each rank: a typo was a ValueError in every rank (exit 1)."""
+    from zeroplan._util import InputError
+    from zeroplan.bench.collectives import BenchConfig, validate_config
+
+    monkeypatch.setenv("ZEROPLAN_BENCH_DELAY", value)
+    with pytest.raises(InputError, match="ZEROPLAN_BENCH_DELAY=.*is not rank:seconds"):
+        validate_config(BenchConfig())
+    monkeypatch.setenv("ZEROPLAN_BENCH_DELAY", "1:0.05, 0:0")
+    validate_config(BenchConfig())

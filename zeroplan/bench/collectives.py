@@ -161,6 +161,7 @@ def validate_config(cfg: BenchConfig) -> None:
     for flag, value in (("--min-bytes", cfg.min_bytes), ("--max-bytes", cfg.max_bytes)):
         parse_size(value, flag)  # at least 1 byte, at most MAX_BUFFER_BYTES (also for a BenchConfig built in code)
     message_sizes(cfg.min_bytes, cfg.max_bytes, cfg.factor)
+    _env_delays()
 
 
 def check_sweep_memory(cfg: BenchConfig, backend: str, ranks: int) -> None:
@@ -173,12 +174,20 @@ def check_sweep_memory(cfg: BenchConfig, backend: str, ranks: int) -> None:
 
 
 def _env_delays() -> dict[int, float]:
+    """ZEROPLAN_BENCH_DELAY="rank:seconds[,rank:seconds]" (a test hook); InputError naming the
+    variable otherwise (validate_config reads it in the launcher, before any rank starts)."""
     raw = os.environ.get("ZEROPLAN_BENCH_DELAY", "").strip()
     out: dict[int, float] = {}
-    if raw:
-        for part in raw.split(","):
-            r, _, s = part.partition(":")
-            out[int(r)] = float(s)
+    for part in raw.split(",") if raw else []:
+        r, _, s = part.strip().partition(":")
+        try:
+            rank, delay_s = int(r) if r.isascii() and len(r) <= 9 else -1, float(s)
+        except ValueError:
+            rank, delay_s = -1, 0.0
+        if rank < 0 or not 0 <= delay_s <= 3600:
+            raise InputError(f"ZEROPLAN_BENCH_DELAY={raw[:80]!r}: {part[:40]!r} is not rank:seconds "
+                             "(a rank >= 0 and 0-3600 seconds, e.g. 1:0.05)")
+        out[rank] = delay_s
     return out
 
 

@@ -198,3 +198,22 @@ def test_a_bad_bench_delay_hook_is_one_line_before_any_rank(monkeypatch, value):
         validate_config(BenchConfig())
     monkeypatch.setenv("ZEROPLAN_BENCH_DELAY", "1:0.05, 0:0")
     validate_config(BenchConfig())
+
+
+# ------------------------------------------------------------------- names the OS cannot look up
+def test_a_hardware_name_over_name_max_is_unknown_not_an_oserror():
+    """pathlib's is_file() swallows ENOENT but not ENAMETOOLONG: a 5,000-character -H raised OSError."""
+    _rejected(_cli(["estimate", "-m", "gpt2", "-H", HUGE]), "hardware profile", "is unknown")
+
+
+def test_a_hub_cache_the_os_cannot_look_up_is_no_cache_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / HUGE))  # over PATH_MAX
+    _rejected(_cli(["estimate", "-m", "org/model"]), "not in the local Hugging Face cache")
+    repo = tmp_path / "hub" / "models--org--model"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("x" * 300)  # a commit name over NAME_MAX
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    _rejected(_cli(["estimate", "-m", "org/model"]), "not in the local Hugging Face cache")
+    (repo / "snapshots" / "abc" / "config.json").write_text(json.dumps(TINY))
+    assert _plan(["-m", "org/model"])["model"]["params"] > 0  # the snapshot is still found by listing

@@ -50,8 +50,17 @@ def list_profiles() -> list[HardwareProfile]:
     return [_load_bundled(k).model_copy(deep=True) for k in _bundled_index()]
 
 
+def _is_file(ref: str) -> bool:
+    """``Path.is_file`` that says no rather than raising for a name the OS cannot look up (over
+    NAME_MAX: ENAMETOOLONG, which pathlib does not swallow; an embedded NUL: ValueError)."""
+    try:
+        return Path(ref).is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def _looks_like_path(ref: str) -> bool:
-    return ref.endswith(".toml") or os.sep in ref or "/" in ref or Path(ref).is_file()
+    return ref.endswith(".toml") or os.sep in ref or "/" in ref or _is_file(ref)
 
 
 def load_profile(ref: str) -> HardwareProfile:
@@ -61,7 +70,7 @@ def load_profile(ref: str) -> HardwareProfile:
         raise InputError("--hardware is empty; expected a profile name (zeroplan profiles list) or a .toml path")
     key = ref.lower()
     index = _bundled_index()
-    if key in index and not Path(ref).is_file():
+    if key in index and not _is_file(ref):
         return _load_bundled(key).model_copy(deep=True)
     if _looks_like_path(ref):
         p = Path(ref)

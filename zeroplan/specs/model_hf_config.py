@@ -112,6 +112,13 @@ def hf_cache_config(repo_id: str) -> Path | None:
     hash of ``snapshots/<hash>/``; without a usable ref, the newest snapshot holding a config.json.
     """
     repo_dir = hf_hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    try:
+        return _snapshot_config(repo_dir)
+    except (OSError, ValueError):  # a cache path the OS cannot look up (over PATH_MAX, a NUL): no entry
+        return None
+
+
+def _snapshot_config(repo_dir: Path) -> Path | None:
     snapshots = repo_dir / "snapshots"
     if not snapshots.is_dir():
         return None
@@ -122,8 +129,11 @@ def hf_cache_config(repo_id: str) -> Path | None:
         commit = ""
     if commit and "/" not in commit and commit not in (".", ".."):
         cfg = snapshots / commit / "config.json"
-        if cfg.is_file():
-            return cfg
+        try:
+            if cfg.is_file():
+                return cfg
+        except (OSError, ValueError):  # a ref the OS cannot look up (over NAME_MAX, a NUL): list instead
+            pass
     found = [p / "config.json" for p in snapshots.iterdir() if (p / "config.json").is_file()]
     if not found:
         return None

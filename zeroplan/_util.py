@@ -111,6 +111,8 @@ def _resolve_output(path: str | os.PathLike, option: str = "") -> tuple[Path, os
     text = os.fspath(path)
     if not text:
         raise InputError(f"{option or 'output path'}: empty path, expected a file path to write")
+    if "\0" in text:  # no OS path holds one (os.stat raises ValueError); reachable through the API
+        raise InputError(f"{shown}: contains a NUL character, expected a file path to write")
     if text.endswith(os.sep) or text.endswith("/."):
         raise InputError(f"{shown}: ends with a slash (a directory), expected a file path to write")
     target = Path(os.path.realpath(expand_path(text)))  # follows every symlink, also a dangling one

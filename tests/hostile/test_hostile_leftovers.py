@@ -217,3 +217,13 @@ def test_a_hub_cache_the_os_cannot_look_up_is_no_cache_entry(tmp_path, monkeypat
     _rejected(_cli(["estimate", "-m", "org/model"]), "not in the local Hugging Face cache")
     (repo / "snapshots" / "abc" / "config.json").write_text(json.dumps(TINY))
     assert _plan(["-m", "org/model"])["model"]["params"] > 0  # the snapshot is still found by listing
+
+
+@pytest.mark.parametrize("args", [
+    ["report", "-m", "gpt2", "-H", "dgx-h100", "--html", "a\0b"],
+    ["recommend", "-m", "gpt2", "-H", "dgx-h100", "--emit-config", "a\0b"],
+    ["check", "/dev/null", "-m", "gpt2", "-H", "dgx-h100", "--output", "a\0b"],
+])
+def test_an_output_path_with_a_nul_is_one_error_line(args):
+    """No shell passes a NUL in argv, but the API and CliRunner do: os.stat raised ValueError."""
+    _rejected(_cli(args), "contains a NUL character")

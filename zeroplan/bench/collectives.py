@@ -24,6 +24,7 @@ The planner's prediction for each row and the α–β fit saved as a hardware pr
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -156,8 +157,8 @@ def validate_config(cfg: BenchConfig) -> None:
         raise InputError(f"--group {cfg.group!r}: expected all, intra or inter")
     if cfg.iters < 1 or cfg.warmup < 0:
         raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
-    if not cfg.straggler_threshold > 1.0:
-        raise InputError(f"--straggler-threshold {cfg.straggler_threshold}: expected a ratio > 1 (e.g. 1.5)")
+    if not (cfg.straggler_threshold > 1.0 and math.isfinite(cfg.straggler_threshold)):  # inf reached the ranks as null
+        raise InputError(f"--straggler-threshold {cfg.straggler_threshold}: expected a finite ratio > 1 (e.g. 1.5)")
     for flag, value in (("--min-bytes", cfg.min_bytes), ("--max-bytes", cfg.max_bytes)):
         parse_size(value, flag)  # at least 1 byte, at most MAX_BUFFER_BYTES (also for a BenchConfig built in code)
     message_sizes(cfg.min_bytes, cfg.max_bytes, cfg.factor)

@@ -111,6 +111,9 @@ def _resolve_output(path: str | os.PathLike, option: str = "") -> tuple[Path, os
     text = os.fspath(path)
     if not text:
         raise InputError(f"{option or 'output path'}: empty path, expected a file path to write")
+    if text == "-":  # the commands whose output can be stdout map "-" to it before this check
+        raise InputError(f"{shown}: expected a file path; this option cannot write to stdout, and a file named "
+                         "'-' is never what '-' means")
     if "\0" in text:  # no OS path holds one (os.stat raises ValueError); reachable through the API
         raise InputError(f"{shown}: contains a NUL character, expected a file path to write")
     if text.endswith(os.sep) or text.endswith("/."):

@@ -227,3 +227,35 @@ def test_a_hub_cache_the_os_cannot_look_up_is_no_cache_entry(tmp_path, monkeypat
 def test_an_output_path_with_a_nul_is_one_error_line(args):
     """No shell passes a NUL in argv, but the API and CliRunner do: os.stat raised ValueError."""
     _rejected(_cli(args), "contains a NUL character")
+
+
+# ------------------------------------------------------------------- "-" as an output path
+def test_report_dash_prints_the_document_and_writes_no_file(tmp_path, monkeypatch):
+    """`report --html -` wrote a file named '-' into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    r = _cli(["report", "-m", "gpt2", "-H", "dgx-h100", "--html", "-"])
+    assert r.exit_code == 0, r.output[-800:]
+    assert r.output.startswith("<!DOCTYPE html>") and r.output.rstrip().endswith("</html>")
+    r = _cli(["report", "-m", "gpt2", "-H", "dgx-h100", "--svg", "-", "--html", "r.html"])
+    assert r.exit_code == 0 and r.output.startswith("<?xml") and "wrote" not in r.output, r.output[-300:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["report", "-m", "gpt2", "-H", "dgx-h100", "--html", "-", "--svg", "-"], "only one document can go to stdout"),
+    (["report", "-m", "gpt2", "-H", "dgx-h100", "--svg", "-", "--json"], "both would go to stdout"),
+    (["bench", "collectives", "--output", "-"], "--output -: expected a file path"),
+])
+def test_a_dash_that_cannot_mean_stdout_is_refused(tmp_path, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    _rejected(_cli(args), needle)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_output_dash_is_stdout_as_its_help_says(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = REPO / "examples" / "configs" / "zero2-bf16.json"
+    r = _cli(["check", str(cfg), "-m", "gpt2", "-H", "dgx-h100", "--format", "json", "--output", "-"])
+    assert r.exit_code in (0, 1), r.output[-800:]
+    assert json.loads(r.output)["files"][0]["path"] == str(cfg)
+    assert list(tmp_path.iterdir()) == []

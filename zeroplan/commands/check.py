@@ -97,6 +97,7 @@ def register(app: typer.Typer) -> None:
         from zeroplan.api import check as check_api
         from zeroplan.api import config_paths
 
+        output = None if output == "-" else output  # "-": stdout, as without --output
         validate_output_path(output, option="--output", inputs={"the checked config": config_paths(
             configs, expand_globs=expand_globs), "--hardware": hardware, "--model": model})
         from zeroplan.report.formats import summary_line, to_github, to_json, to_junit

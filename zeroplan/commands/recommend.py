@@ -132,7 +132,7 @@ def _write_emitted(ds_config_path: str, sidecar: str, rec: Any) -> None:
 
 def _check_emit_path(emit_config: str | None) -> None:
     """--emit-config writes two files (the config and its ``.peft.json`` sidecar), so it needs a
-    regular file path: not ``-`` (there is no stdout form) and not a device or FIFO."""
+    regular file path: not a device or FIFO (``-`` is refused before, in ``recommend``)."""
     import os
     import stat
 
@@ -140,9 +140,6 @@ def _check_emit_path(emit_config: str | None) -> None:
 
     if emit_config is None:
         return
-    if emit_config == "-":
-        raise InputError("--emit-config -: writes two files (the config and its .peft.json sidecar), "
-                         "so it needs a file path, not stdout")
     try:
         mode = os.stat(expand_path(emit_config)).st_mode
     except OSError:
@@ -199,6 +196,9 @@ def recommend_cmd(
 
     from zeroplan.api import peft_sidecar_path
 
+    if emit_config == "-":  # before validate_output_path, whose "-" message says less
+        raise InputError("--emit-config -: writes two files (the config and its .peft.json sidecar), "
+                         "so it needs a file path, not stdout")
     sidecar = peft_sidecar_path(emit_config) if emit_config is not None else None
     for path in (emit_config, sidecar):
         validate_output_path(path, option="--emit-config",

@@ -17,6 +17,7 @@ from zeroplan.commands._common import (
     DEFAULT_MAX_NODES, Json, console, handle_errors, options_from, print_json, with_fine_tuning_options,
     with_plan_options,
 )
+from zeroplan._util import InputError
 from zeroplan.options import ReportOptions
 
 __all__ = ["register"]
@@ -46,13 +47,36 @@ def _print_sweep_table(con: Any, data: dict[str, Any]) -> None:
         con.print(table)
 
 
+def _stdout_document(html: str | None, svg: str | None, json_out: bool) -> bool:
+    """True when ``--html -`` or ``--svg -`` sends that document to stdout, which then carries
+    nothing else; InputError when two things would share it."""
+    dashes = [o for o, v in (("--html", html), ("--svg", svg)) if v == "-"]
+    if len(dashes) == 2:
+        raise InputError("--html - and --svg -: only one document can go to stdout; give the other a file path")
+    if dashes and json_out:
+        raise InputError(f"{dashes[0]} - and --json: both would go to stdout; give {dashes[0]} a file path")
+    return bool(dashes)
+
+
+def _write_document(path: str, text: str, written: list[str]) -> None:
+    """``text`` to ``path`` atomically, or to stdout for ``-``."""
+    from zeroplan._util import atomic_write_text
+
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    atomic_write_text(path, text)
+    written.append(path)
+
+
 def report(
     html: Annotated[Optional[str], typer.Option(
         "--html", metavar="PATH", show_default="none",
-        help="Write a self-contained HTML report (inline SVG charts, no network) to this path.")] = None,
+        help="Write a self-contained HTML report (inline SVG charts, no network) to this path ('-': stdout).")] = None,
     svg: Annotated[Optional[str], typer.Option(
         "--svg", metavar="PATH", show_default="none",
-        help="Write the per-GPU memory chart alone as an SVG file.")] = None,
+        help="Write the per-GPU memory chart alone as an SVG file ('-': stdout).")] = None,
     max_nodes: Annotated[int, typer.Option(
         "--max-nodes", metavar="N", help="Sweeps go to this many nodes (1, 2, 4, …).")] = DEFAULT_MAX_NODES,
     json_out: Json = False,
@@ -66,12 +90,14 @@ def report(
     from zeroplan._util import validate_output_path
     from zeroplan.api import build_report
 
+    to_stdout = _stdout_document(html, svg, json_out)
     ins = {"--model": options["model"], "--hardware": options["hardware"], "--ds-config": options["ds_config"]}
-    validate_output_path(html, option="--html", inputs=ins)
-    validate_output_path(svg, option="--svg", inputs={**ins, "the --html output": html})
+    validate_output_path(None if html == "-" else html, option="--html", inputs=ins)
+    validate_output_path(None if svg == "-" else svg, option="--svg",
+                         inputs={**ins, "the --html output": None if html == "-" else html})
     options = options_from(ReportOptions, {**locals(), **options})
     con = console()
-    show_progress = not json_out and sys.stdout.isatty() and con.is_terminal
+    show_progress = not json_out and not to_stdout and sys.stdout.isatty() and con.is_terminal
     if show_progress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -83,19 +109,17 @@ def report(
     else:
         data = build_report(options)
 
-    from zeroplan._util import atomic_write_text
-
-    written = []
+    written: list[str] = []
     if html is not None:
         from zeroplan.report.html import render_report_html
 
-        atomic_write_text(html, render_report_html(data.model_dump(mode="json")))
-        written.append(html)
+        _write_document(html, render_report_html(data.model_dump(mode="json")), written)
     if svg is not None:
         from zeroplan.report.html import memory_chart_svg
 
-        atomic_write_text(svg, memory_chart_svg(data.model_dump(mode="json"), standalone=True))
-        written.append(svg)
+        _write_document(svg, memory_chart_svg(data.model_dump(mode="json"), standalone=True), written)
+    if to_stdout:  # the document is the whole of stdout: no "wrote" line
+        return
     if json_out:
         print_json(data)
         return

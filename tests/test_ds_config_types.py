@@ -24,7 +24,7 @@ from zeroplan._util import InputError
 from zeroplan.cli import app
 from zeroplan.specs.deepspeed_config import load_ds_config, parse_ds_json
 from zeroplan.specs.ds_keys import TOP_LEVEL_KEYS
-from zeroplan.specs.ds_shapes import SCALARS, SECTIONS
+from zeroplan.specs.ds_shapes import AT_INITIALIZE, SCALARS, SECTIONS, SUBKEYS
 
 runner = CliRunner()
 EX = Path(__file__).resolve().parent.parent / "examples" / "configs"
@@ -81,6 +81,12 @@ REFUSED: dict[str, tuple[dict[str, Any], str, str]] = {
     "fp16 min_loss_scale bool": ({"fp16": {"enabled": False, "min_loss_scale": True}}, "fp16.min_loss_scale",
                                  "true"),
     "fp16 loss_scale_window bool": ({"fp16": {"loss_scale_window": False}}, "fp16.loss_scale_window", "false"),
+    "train_batch_size false": ({"train_batch_size": False}, "train_batch_size", "false"),
+    "timers.throughput null": ({"timers": {"throughput": None}}, "timers.throughput", "null"),
+    "timers.throughput.enabled null": ({"timers": {"throughput": {"enabled": None}}}, "timers.throughput.enabled",
+                                       "null"),
+    "data_types.keep_in_fp32_modules string": ({"data_types": {"keep_in_fp32_modules": "norm"}},
+                                               "data_types.keep_in_fp32_modules", '"norm"'),
 }
 
 # Configs DeepSpeed accepts as written: no error finding, strict reading passes, estimate plans them.
@@ -105,6 +111,8 @@ ACCEPTED: dict[str, dict[str, Any]] = {
                                    "gradient_allreduce_op": "SUM", "checkpoint": {"tag_validation": "warn"}},
     "vocabulary_size": {"vocabulary_size": 50257},
     "gradient_allreduce_op sum, DeepCompile auto": {"gradient_allreduce_op": "sum", "compile": {"deepcompile": "auto"}},
+    "timers and data_types": {"timers": {"throughput": {"enabled": False, "synchronized": "auto"}},
+                              "data_types": {"grad_accum_dtype": None, "keep_in_fp32_modules": ["norm"]}},
 }
 
 
@@ -254,8 +262,11 @@ def test_tiny_and_large_finite_numbers_still_parse():
 
 def test_every_shape_is_for_a_key_deepspeed_reads():
     assert set(SECTIONS) <= TOP_LEVEL_KEYS
-    assert {path.split(".")[0] for path in SCALARS} <= TOP_LEVEL_KEYS
-    assert all(shape.deepspeed for shape in [*SECTIONS.values(), *SCALARS.values()])
+    assert {path.split(".")[0] for path in [*SCALARS, *AT_INITIALIZE, *SUBKEYS]} <= TOP_LEVEL_KEYS
+    assert all(shape.deepspeed for shape in [*SECTIONS.values(), *SCALARS.values(), *AT_INITIALIZE.values()])
+    for path, (known, _, deepspeed) in SUBKEYS.items():  # each checked leaf is a key its block lists
+        assert deepspeed and {p.rsplit(".", 1)[1] for p in [*SCALARS, *AT_INITIALIZE]
+                              if p.rsplit(".", 1)[0] == path} <= known
 
 
 # ----------------------------------------------------------------------------------- against DeepSpeed itself

@@ -32,7 +32,7 @@ turns every error, and every DS001/DS003/DS004 finding, into an ``InputError``):
 
 | rule  | severity         | meaning |
 |-------|------------------|---------|
-| DS001 | warning / error  | unknown key. Top level and optimizer/scheduler blocks: DeepSpeed ignores it (warning). Inside ``zero_optimization``, ``offload_*``, ``fp16``, ``bf16``: DeepSpeed's pydantic ``extra="forbid"`` rejects it (error). |
+| DS001 | warning / error  | unknown key. Top level, optimizer/scheduler blocks, ``timers`` and ``data_types``: DeepSpeed ignores it (warning). Inside ``zero_optimization``, ``offload_*``, ``fp16``, ``bf16``, ``timers.throughput``: DeepSpeed's pydantic ``extra="forbid"`` rejects it (error), unless it holds ``"auto"``, which ``DeepSpeedConfigModel.__init__`` drops first (warning). |
 | DS002 | warning / error  | deprecated key mapped to its replacement (``cpu_offload``, ``cpu_offload_param``, ``cpu_offload_use_pin_memory`` (value not transferred), ``stage3_gather_fp16_weights_on_model_save``, legacy ``bfloat16`` block, boolean ``zero_optimization``). Error when the replacement key is given too (DeepSpeed asserts). |
 | DS003 | error / warning  | wrong type. Error: DeepSpeed rejects it, the default is used; this includes a present section that is not an object (``"scheduler": null``, ``"fp16": []``) and a scalar DeepSpeed cannot use (``"wall_clock_breakdown": "1"``), per ``ds_shapes``. Warning: DeepSpeed's lax coercion accepts it (``"true"`` for a bool, ``"8"`` for an int); the coerced value is used. |
 | DS004 | error            | fractional number for an integer field (pydantic ``int_from_float``); the default is used. |

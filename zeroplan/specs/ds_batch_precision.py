@@ -4,7 +4,8 @@ Batch keys: ``_set_batch_related_parameters`` (integer floor division) and ``_ba
 ``train_batch_size == micro_batch * grad_accum * world_size`` (data-parallel world size), with the
 HF Trainer filling "auto" values from its training arguments. Precision: ``fp16`` / ``bf16``
 (legacy alias ``bfloat16``) blocks; both enabled is DeepSpeed's assertion 'bfloat16 and fp16 modes
-cannot be simultaneously enabled'; neither -> fp32 (``torch_autocast`` keeps fp32 model states).
+cannot be simultaneously enabled'; neither -> fp32 (``torch_autocast`` keeps fp32 model states); the
+``data_types`` dtypes are then checked against that precision (ds_shapes.check_data_types).
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from typing import Any
 
 from zeroplan.specs.ds_findings import _fmt, _is_auto, _json_type, _Reader
 from zeroplan.specs.ds_keys import _BATCH_KEYS, _BF16_FIELDS, _FP16_FIELDS, _Field
+from zeroplan.specs.ds_schema import DEEPSPEED_VERSION
+from zeroplan.specs.ds_shapes import check_data_types
 
 
 def _read_int_key(r: _Reader, key: str, raw: Any) -> int | None:
-    """Top-level integer (batch keys): DeepSpeed reads them raw; zeroplan wants clean ints."""
+    """Top-level integer (batch keys): DeepSpeed reads them raw (get_scalar_param); zeroplan wants clean ints."""
     if raw is None:
         return None
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+    if isinstance(raw, bool):
+        return _read_bool_batch_key(r, key, raw)
+    if not isinstance(raw, (int, float)):
         r.add("DS003", "error", key, f"{key} = {_fmt(raw)}: expected a positive integer, got "
               f"{_json_type(raw)}", raw)
         return None
@@ -35,6 +40,25 @@ def _read_int_key(r: _Reader, key: str, raw: Any) -> int | None:
               "asserts)", raw)
         return None
     return raw
+
+
+def _read_bool_batch_key(r: _Reader, key: str, raw: bool) -> int | None:
+    """A batch key written true/false. A bool is an int in Python and DeepSpeedConfig uses the value as
+    given: ``_set_batch_related_parameters`` multiplies and floor-divides it, ``_batch_assertion`` checks
+    ``> 0`` and ``train_batch == micro_batch * grad_acc * world_size``. So true is 1 (training runs), false is
+    0 (the ``> 0`` assertion fails)."""
+    if not raw:
+        r.add("DS008", "error", key, f"{key} = false: expected a positive integer; DeepSpeed {DEEPSPEED_VERSION} "
+              "takes false as 0 and asserts it is greater than 0 (DeepSpeedConfig._batch_assertion)", raw)
+        return None
+    loader = ""
+    if key == "train_micro_batch_size_per_gpu":  # runtime/dataloader.py DeepSpeedDataLoader -> torch DataLoader
+        loader = ("; but DeepSpeed's own data loader (deepspeed.initialize(training_data=...), "
+                  "DeepSpeedEngine.deepspeed_io) fails when iterated: torch's BatchSampler refuses batch_size=True")
+    r.add("DS003", "warning", key, f"{key} = true: expected a positive integer, got a boolean; DeepSpeed "
+          f"{DEEPSPEED_VERSION} takes true as 1 (a bool is an int: DeepSpeedConfig._batch_assertion accepts "
+          f"true > 0 and true == 1 in the batch product){loader}; write 1 instead", raw)
+    return 1
 
 
 _BATCH_FLAGS = {"train_micro_batch_size_per_gpu": "--micro-batch", "gradient_accumulation_steps": "--grad-accum"}
@@ -161,7 +185,8 @@ def _read_precision_block(r: _Reader, raw: dict[str, Any], block_key: str,
     for k, v in block.items():
         key = f"{block_key}.{k}"
         if k not in fields:
-            r.unknown(key, frozenset(fields), "error", f"DeepSpeed's {block_key} config forbids extra keys")
+            model = "DeepSpeedFP16Config" if block_key == "fp16" else "DeepSpeedBF16Config"
+            r.extra_key(key, v, frozenset(fields), model)  # extra="forbid"; an "auto" value is dropped first
         elif k != "enabled" and not _is_auto(v):  # "auto": DeepSpeedConfigModel drops it, the default is used
             f = fields[k]
             if f.refuses_bool and isinstance(v, bool):  # DeepSpeedFP16Config's before-validators
@@ -206,6 +231,14 @@ def _resolve_auto_enabled(r: _Reader, name: str, precision: str | None) -> bool:
 
 
 def _read_precision(r: _Reader, raw: dict[str, Any], precision: str | None) -> tuple[str, str]:
+    """The training precision and where it comes from; then the ``data_types`` dtypes DeepSpeed resolves
+    against it at deepspeed.initialize (ds_shapes.check_data_types)."""
+    prec, source = _precision(r, raw, precision)
+    check_data_types(r, raw, prec)
+    return prec, source
+
+
+def _precision(r: _Reader, raw: dict[str, Any], precision: str | None) -> tuple[str, str]:
     fp16, fp16_values = _read_precision_block(r, raw, "fp16", _FP16_FIELDS)
     # DeepSpeed's get_bfloat16_config reads the legacy bfloat16 block when bf16 is absent or null
     bf_key = "bf16"

@@ -75,12 +75,29 @@ class _Reader:
             more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
             raise InputError(f"{self.where}: {errors[0].rule_id} {errors[0].message}{more}")
 
-    def unknown(self, key: str, known: frozenset[str] | list[str], severity: str, why: str) -> None:
+    def unknown(self, key: str, known: frozenset[str] | list[str], severity: str, why: str,
+                value: Any = ..., name_value: bool = True) -> None:
+        """DS001 on ``key``. ``value``, when given, is the finding's value and (``name_value``) is named in the
+        message: ``key = value: unknown key (why)``."""
         key = str(key)
         leaf = key.rsplit(".", 1)[-1]
         close = difflib.get_close_matches(leaf, list(known), n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        self.add("DS001", severity, key, f"{key}: unknown key ({why}){hint}", None)
+        named = f"{key} = {_fmt(value)}" if value is not ... and name_value else key
+        self.add("DS001", severity, key, f"{named}: unknown key ({why}){hint}", None if value is ... else value)
+
+    def extra_key(self, key: str, value: Any, known: frozenset[str] | list[str], model: str) -> None:
+        """An unknown key inside a DeepSpeed pydantic model (``extra="forbid"``): DeepSpeed refuses it, unless
+        it holds "auto": ``DeepSpeedConfigModel.__init__`` (runtime/config_utils.py) drops every "auto"
+        value before pydantic validates, nested models included, so that key never reaches the extra-key
+        check and DeepSpeed ignores it. Reported either way (unknown keys are never silently ignored)."""
+        if _is_auto(value):
+            self.unknown(key, known, "warning", f"DeepSpeed's {model} forbids extra keys, but "
+                         "DeepSpeedConfigModel.__init__ drops \"auto\" values before it validates: "
+                         f"DeepSpeed {DEEPSPEED_VERSION} ignores it", value)
+        else:  # the message as README.md's `check` excerpt shows it; the value goes in the finding's value
+            self.unknown(key, known, "error", f"DeepSpeed's {model} forbids extra keys and fails to start", value,
+                         name_value=False)
 
     # -- typed values (pydantic lax mode, as DeepSpeed's models use) ------------------------
     def value(self, key: str, raw: Any, annotation: Any, metadata: list[Any], default: Any) -> Any:

@@ -115,3 +115,18 @@ _ZENFLOW_KEYS = frozenset({"topk_ratio", "select_strategy", "select_interval", "
 _DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+# timers (utils/config.py get_timers_config): only timers.throughput is read, into
+# DeepSpeedThroughputTimerConfig (pydantic, extra="forbid"; both fields bool, default true).
+_TIMERS_KEYS = frozenset({"throughput"})
+_THROUGHPUT_TIMER_KEYS = frozenset({"enabled", "synchronized"})
+# data_types (runtime/config.py DeepSpeedConfig._initialize_params: data_types.get(...) for these four;
+# any other key is never read).
+_DATA_TYPES_KEYS = frozenset({"grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"})
+# runtime/config.py DtypeEnum: the strings DtypeEnum(value) takes (case-sensitive), by zeroplan's dtype name.
+_DTYPE_ENUM: dict[str, str] = {
+    **dict.fromkeys(("torch.float16", "fp16", "float16", "half"), "fp16"),
+    **dict.fromkeys(("torch.float32", "fp32", "float32", "float"), "fp32"),
+    **dict.fromkeys(("torch.int8", "int8"), "int8"),
+    **dict.fromkeys(("torch.bfloat16", "bf16", "bfloat16"), "bf16"),
+}

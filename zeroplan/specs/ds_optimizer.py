@@ -1,6 +1,7 @@
 """The ``optimizer``, ``scheduler`` and ``gradient_clipping`` keys of a DeepSpeed 0.19.8 config: the
 optimizer type and params (numbers in the ranges torch.optim accepts, "auto" left for the launcher),
-unknown keys DeepSpeed ignores, and clipping (``"auto"`` -> the HF Trainer's 1.0).
+unknown keys DeepSpeed ignores, and clipping (absent -> DeepSpeed's default 1.0, ``"auto"`` -> the HF
+Trainer's 1.0, a value the engine cannot compare with 0 -> an error naming where training fails).
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zeroplan.specs.ds_findings import _fmt, _is_auto, _Reader
+from zeroplan.specs.ds_findings import _fmt, _is_auto, _json_type, _Reader
 from zeroplan.specs.ds_keys import _DS_OPTIMIZERS, _OPTIMIZER_KEYS, _SCHEDULER_KEYS
+from zeroplan.specs.ds_schema import DEEPSPEED_VERSION, DSConfig
 
 
 def _check_optimizer_numbers(r: _Reader, params: dict[str, Any]) -> None:
@@ -77,15 +79,43 @@ def _read_optimizer(r: _Reader, raw: dict[str, Any]) -> tuple[str | None, dict[s
     return typ, dict(params)
 
 
+# DeepSpeed clips at runtime/constants.py GRADIENT_CLIPPING_DEFAULT when the key is absent (ds_schema)
+_CLIPPING_DEFAULT: float = DSConfig.model_fields["gradient_clipping"].default
+# where DeepSpeed uses the value: each optimizer step compares it with 0
+_CLIP_USE = "DeepSpeedEngine._take_model_step and the ZeRO/BF16/FP16 optimizers compare it with > 0.0"
+
+
 def _read_clipping(r: _Reader, raw: dict[str, Any]) -> float:
-    v = raw.get("gradient_clipping", 0.0)
+    """``gradient_clipping``. DeepSpeedConfig takes it as given (``get_gradient_clipping``: get_scalar_param, no
+    type check); the engine compares it with 0 on every step (``_CLIP_USE``). So a number is used as
+    written (<= 0: off), true/false are 1/0, and anything else (null, a string, a list, an object) passes
+    DeepSpeedConfig and deepspeed.initialize but raises TypeError at the first ``engine.step()``."""
+    v = raw.get("gradient_clipping", _CLIPPING_DEFAULT)
     if _is_auto(v):
         how = "HF Trainer fills it from max_grad_norm (default 1.0); assumed 1.0"
         r.auto["gradient_clipping"] = {"value": 1.0, "how": how}
         r.add("DS006", "info", "gradient_clipping", f"gradient_clipping = \"auto\" -> 1.0 ({how})", v)
         return 1.0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+    if isinstance(v, bool):
+        r.add("DS003", "warning", "gradient_clipping",
+              f"gradient_clipping = {_fmt(v)}: expected a number (0 = off), got a boolean; DeepSpeed "
+              f"{DEEPSPEED_VERSION} takes {_fmt(v)} as {int(v)} (a bool is an int; {_CLIP_USE}), so it "
+              f"{'clips at 1.0' if v else 'does not clip'}; write {1.0 if v else 0} instead", v)
+        return float(v)
+    if isinstance(v, float) and not math.isfinite(v):  # only from a dict: a file's NaN/Infinity fails to parse
         r.add("DS003", "error", "gradient_clipping",
-              f"gradient_clipping = {_fmt(v)}: expected a number >= 0 (0 = off); using 0", v)
+              f"gradient_clipping = {_fmt(v)}: expected a finite number >= 0 (0 = off); using 0", v)
+        return 0.0
+    if not isinstance(v, (int, float)):
+        r.add("DS003", "error", "gradient_clipping",
+              f"gradient_clipping = {_fmt(v)}: expected a number >= 0 (0 = off), got {_json_type(v)}; "
+              f"DeepSpeedConfig and deepspeed.initialize ({DEEPSPEED_VERSION}) accept it (get_gradient_clipping "
+              "keeps it as given), but training fails at the first engine.step(): "
+              "DeepSpeedEngine._take_model_step compares it with > 0.0 (TypeError); zeroplan plans with 0 (off)", v)
+        return 0.0
+    if v < 0:
+        r.add("DS010", "warning", "gradient_clipping",
+              f"gradient_clipping = {_fmt(v)}: expected a number >= 0 (0 = off); DeepSpeed {DEEPSPEED_VERSION} "
+              f"clips only when it is > 0 ({_CLIP_USE}), so {_fmt(v)} turns clipping off; write 0 instead", v)
         return 0.0
     return float(v)

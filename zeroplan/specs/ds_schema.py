@@ -235,7 +235,7 @@ class DSConfig(BaseModel):
     precision_source: str
     optimizer_type: str | None = None
     optimizer_params: dict[str, Any] = Field(default_factory=dict)
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0  # runtime/constants.py GRADIENT_CLIPPING_DEFAULT (DeepSpeed 0.19.8)
     train_batch_size: int | None = None
     micro_batch: int | None = None
     grad_accum: int | None = None

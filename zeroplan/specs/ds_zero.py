@@ -42,9 +42,8 @@ def _read_offload(r: _Reader, key: str, raw: Any, model: type[BaseModel]) -> Bas
     fields = model.model_fields
     for k, v in raw.items():
         sub = f"{key}.{k}"
-        if k not in fields:
-            r.unknown(sub, list(fields), "error",
-                      f"DeepSpeed's {model.__name__.replace('Config', '')} forbids extra keys")
+        if k not in fields:  # DeepSpeedZeroOffload{Optimizer,Param}Config: extra="forbid", "auto" dropped first
+            r.extra_key(sub, v, list(fields), f"DeepSpeedZero{model.__name__}")
             continue
         ann, meta, default = _field_spec(model, k)
         if _is_auto(v):
@@ -59,7 +58,8 @@ def _read_offload(r: _Reader, key: str, raw: Any, model: type[BaseModel]) -> Bas
     return model(**values)
 
 
-def _read_dict_block(r: _Reader, key: str, raw: Any, known: frozenset[str]) -> dict[str, Any] | None:
+def _read_dict_block(r: _Reader, key: str, raw: Any, known: frozenset[str], model: str) -> dict[str, Any] | None:
+    """A nested DeepSpeedConfigModel block (``model``): extra keys forbidden, "auto" values dropped."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -69,7 +69,7 @@ def _read_dict_block(r: _Reader, key: str, raw: Any, known: frozenset[str]) -> d
     out = {}
     for k, v in raw.items():
         if k not in known:
-            r.unknown(f"{key}.{k}", known, "error", "DeepSpeed forbids extra keys here")
+            r.extra_key(f"{key}.{k}", v, known, model)
             continue
         if _is_auto(v):
             continue
@@ -108,7 +108,7 @@ def _read_stage(r: _Reader, zero_raw: dict[str, Any]) -> Any:
 
 def _read_leaf_module(r: _Reader, key: str, v: Any) -> dict[str, Any]:
     """zero_optimization.leaf_module: DeepSpeed's default classes, overridden per list given."""
-    block = _read_dict_block(r, key, v, _LEAF_MODULE_KEYS)
+    block = _read_dict_block(r, key, v, _LEAF_MODULE_KEYS, "DeepSpeedZeroLeafModuleConfig")
     lm = _default_leaf_module()
     for lk, lv in (block or {}).items():
         if isinstance(lv, str):
@@ -146,8 +146,7 @@ def _read_zero(r: _Reader, raw_top: dict[str, Any], zero_raw: Any,
                   "DeepSpeedConfigError for this key; remove it", v)
             continue
         if k not in known:
-            r.unknown(key, sorted(known - set(_ZERO_REMOVED)), "error",
-                      "DeepSpeed's DeepSpeedZeroConfig forbids extra keys and fails to start")
+            r.extra_key(key, v, sorted(known - set(_ZERO_REMOVED)), "DeepSpeedZeroConfig")
             continue
         if k in _ZERO_DEPRECATED:
             deprecated[k] = v
@@ -172,7 +171,7 @@ def _read_zero(r: _Reader, raw_top: dict[str, Any], zero_raw: Any,
             values[canonical] = _read_offload(r, key, v, model)
             continue
         if canonical == "zenflow":
-            values[canonical] = _read_dict_block(r, key, v, _ZENFLOW_KEYS)
+            values[canonical] = _read_dict_block(r, key, v, _ZENFLOW_KEYS, "ZenFlowConfig")
             continue
         if canonical == "leaf_module":
             values[canonical] = _read_leaf_module(r, key, v)

@@ -120,7 +120,18 @@ def test_bf16_optimizer_keeps_whole_model_fp32_gradient():
 def test_grad_accum_dtype_read_from_config():
     ds = load_ds_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
                          "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}})
-    assert grad_accum_dtype_from_config(ds, "x") == "fp32"
+    assert grad_accum_dtype_from_config(ds) == "fp32"
+
+
+@pytest.mark.parametrize("value,planned", [("torch.float32", "fp32"), ("float", "fp32"), ("bfloat16", "bf16"),
+                                           ("half", "fp16"), ("FP32", None), ("int8", None)])
+def test_grad_accum_dtype_is_spelled_as_deepspeeds_dtype_enum(value, planned):
+    """DtypeEnum is case-sensitive: "FP32" is refused by deepspeed.initialize (the reader says so) and
+    planned as absent; "torch.float32" is DeepSpeed's own spelling and was an InputError here."""
+    ds = load_ds_config({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                         "data_types": {"grad_accum_dtype": value}, "zero_optimization": {"stage": 1}},
+                        strict=False)  # errors become findings (what --lenient plans on)
+    assert grad_accum_dtype_from_config(ds) == planned
 
 
 # ---- stage 0 fp32 and the two flavours ----

@@ -12,7 +12,7 @@ from typing import Any
 
 from zeroplan._util import InputError, read_text_file
 from zeroplan.specs.config_lines import find_key_line, key_lines
-from zeroplan.specs.ds_keys import ZEROPLAN_KEY
+from zeroplan.specs.ds_keys import _DTYPE_ENUM, ZEROPLAN_KEY
 from zeroplan.specs.ds_schema import DEEPSPEED_VERSION, ActivationCheckpointingConfig, DSConfig
 from zeroplan.specs.training import ACTIVATION_IMPLS, TrainingSetup
 
@@ -45,20 +45,20 @@ def optimizer_impl_from_config(ds: DSConfig | None) -> tuple[str, str]:
     return "torch-foreach", "no optimizer block: the client's optimizer (torch AdamW, foreach on CUDA) is assumed"
 
 
-def grad_accum_dtype_from_config(ds: DSConfig | None, where: str) -> str | None:
-    """``data_types.grad_accum_dtype`` as fp32/bf16/fp16, or None (the model dtype)."""
+def grad_accum_dtype_from_config(ds: DSConfig | None) -> str | None:
+    """``data_types.grad_accum_dtype`` as fp32/bf16/fp16, or None (the model dtype).
+
+    Spelled as DeepSpeed's ``DtypeEnum`` takes it (runtime/config.py; case-sensitive: "torch.float32",
+    "fp32", "float32", "float" ...), as ``DeepSpeedEngine.get_data_types`` resolves it. Any other value
+    (int8, which only ZeRO's sanity check lets through, or a spelling DtypeEnum refuses) is planned
+    as absent: the config reader has reported what DeepSpeed does with it (specs/ds_shapes.py
+    ``check_data_types``), and ``--lenient`` plans on."""
     if ds is None:
         return None
     dt = ds.raw.get("data_types")
     val = dt.get("grad_accum_dtype") if isinstance(dt, dict) else None
-    if val is None:
-        return None
-    key = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "bfloat16": "bf16", "bf16": "bf16",
-           "float16": "fp16", "fp16": "fp16", "half": "fp16"}.get(str(val).lower())
-    if key is None:
-        raise InputError(f"{where}: data_types.grad_accum_dtype = {val!r}: expected fp32, bf16 or fp16")
-    return key
-
+    dtype = _DTYPE_ENUM.get(val) if isinstance(val, str) else None
+    return dtype if dtype in ("fp32", "bf16", "fp16") else None
 
 
 # ------------------------------------------------------------------ the config's zeroplan block

@@ -232,7 +232,7 @@ def _training_setup(*, precision: str | None, optimizer: str | None, micro_batch
         # the options were checked already (_checked_options): a value beyond the bound is the config's
         _check_bound(flag, f"{ds_config}: {key} = {value:,}", value)
     impl = _optimizer_step(optimizer_impl, ds, assumptions)
-    acc = grad_accum_dtype_from_config(ds, ds_config or "DeepSpeed config")
+    acc = grad_accum_dtype_from_config(ds)
     assert acc is None or acc in GRAD_ACCUM_DTYPES
     training = TrainingSetup(
         precision=prec, precision_source=prec_src, optimizer=opt, micro_batch=mb, seq_len=seq_len,

@@ -42,7 +42,6 @@ import math
 from typing import Any
 
 from zeroplan._util import InputError, atomic_write_text
-from zeroplan.core.inputs import MAX_OPTION_VALUES
 from zeroplan.bench.zero_compare import (  # noqa: F401 - re-exported
     _CATS, _PHASES, _STATES, MODEL_STATE_TOLERANCE, PHASE_PEAK_TOLERANCE, _row, compare)
 from zeroplan.bench.zero_inputs import header_lines
@@ -50,6 +49,7 @@ from zeroplan.bench.zero_measure import _group, _inject, _preload_dispatch, _ran
 from zeroplan.bench.zero_predict import _zero_config, predict, scaled_spec  # noqa: F401
 from zeroplan.bench.zero_runs import (  # noqa: F401 - re-exported
     _finetune_summary, _fmt_req, run_bench_zero, run_deepspeed_bench, run_simulated_bench)
+from zeroplan.core.inputs import MAX_OPTION_VALUES
 
 __all__ = [
     "run_bench_zero_cli",

@@ -13,11 +13,11 @@ from typing import Any, Optional
 import typer
 from typing_extensions import Annotated
 
+from zeroplan._util import InputError, atomic_write_text, validate_output_path
 from zeroplan.commands._common import (
     DEFAULT_MAX_NODES, Json, console, handle_errors, options_from, print_json, with_fine_tuning_options,
     with_plan_options,
 )
-from zeroplan._util import InputError
 from zeroplan.options import ReportOptions
 
 __all__ = ["register"]
@@ -60,8 +60,6 @@ def _stdout_document(html: str | None, svg: str | None, json_out: bool) -> bool:
 
 def _write_document(path: str, text: str, written: list[str]) -> None:
     """``text`` to ``path`` atomically, or to stdout for ``-``."""
-    from zeroplan._util import atomic_write_text
-
     if path == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -87,7 +85,6 @@ def report(
 
     Example: zeroplan report --model llama-2-70b --hardware dgx-h100 --nodes 4 --precision bf16 --html r.html
     """
-    from zeroplan._util import validate_output_path
     from zeroplan.api import build_report
 
     to_stdout = _stdout_document(html, svg, json_out)

@@ -18,9 +18,9 @@ _MAX_LINE_CHARS = 65_536
 # buffer in device memory (2^48 one-byte elements = 256 TiB; an H200 holds 141 GB).
 _MAX_NRANKS = 2**20
 _MAX_COUNT = 2**48
-_MAX_TEXT_CHARS = 500
+_MAX_TEXT_CHARS = 500  # a message, "via" or support line quoted in the summary: output stays bounded
 # Every number the patterns take has at most 30 digits (``\d{1,30}``): int() refuses strings of over
-# 4,300 digits (a ValueError), and no NCCL number has more than 20; a longer one is no record.  # a message, "via" or support line quoted in the summary: output stays bounded
+# 4,300 digits (a ValueError), and no NCCL number has more than 20; a longer one is no record.
 
 
 def _clip(text: str) -> str:

@@ -129,17 +129,74 @@ def test_overlap_rank_bytes_counts_every_tensor_the_rank_allocates():
     assert rank_bytes(s, 2) == 4 * max(a + 2 * b, a + b + c + count + count // 2)
 
 
-def test_overlap_memory_check_on_cuda_is_the_fixed_cap_only(monkeypatch):
+def test_overlap_memory_check_on_cuda_without_nvml_is_the_fixed_cap_only(monkeypatch):
+    import zeroplan.runtime.gpus as gpus
     import zeroplan.runtime.launch as launch
     from zeroplan.bench.overlap import check_memory
 
     monkeypatch.setattr(launch, "mem_available_bytes", lambda: 1)  # the host's memory is not the GPU's
+    monkeypatch.setattr(gpus, "visible_gpu_free_bytes", lambda: None)  # NVML cannot say
     fits = {"hidden": 8192, "tokens": 8192, "size_bytes": 256 * 2**20, "dtype": "bfloat16"}
     check_memory(fits, "cuda", 8, 8)
     with pytest.raises(InputError, match="memory available here"):
         check_memory(fits, "cpu", 8, 8)
     with pytest.raises(InputError, match="over the fixed cap of 1024G"):
         check_memory({**fits, "hidden": 10**6}, "cuda", 8, 8)
+
+
+def test_overlap_memory_check_on_cuda_reads_the_free_gpu_memory_from_nvml(monkeypatch):
+    """The ranks' GPUs are unknown in NVML's order, so the check counts the GPUs with room: it never
+    refuses a run some assignment of GPUs could hold."""
+    import zeroplan.runtime.gpus as gpus
+    from zeroplan._util import fmt_bytes
+    from zeroplan.bench.overlap import check_memory, rank_bytes
+
+    s = {"hidden": 8192, "tokens": 8192, "size_bytes": 256 * 2**20, "dtype": "bfloat16"}
+    need = rank_bytes(s, 2)
+    free = [int(need / 0.9) + 1, 2 * need, need // 2]  # one GPU busy with another job
+    monkeypatch.setattr(gpus, "visible_gpu_free_bytes", lambda: free)
+    check_memory(s, "cuda", 2, 2)  # the two roomiest GPUs hold it
+    with pytest.raises(InputError, match=r"per rank, and 2 of the 3 visible GPUs have that within 90% of their free "
+                                         rf"memory \(NVML; the most free: {fmt_bytes(2 * need)}\) for 3 rank\(s\)"):
+        check_memory(s, "cuda", 2, 3)
+    monkeypatch.setattr(gpus, "visible_gpu_free_bytes", lambda: [need])
+    with pytest.raises(InputError, match=r"and 0 of the 1 visible GPUs .* for 1 rank\(s\); lower --hidden, --tokens"):
+        check_memory(s, "cuda", 1, 1)
+    monkeypatch.setattr(gpus, "visible_gpu_free_bytes", lambda: [need])
+    check_memory(s, "cuda", 1, 2)  # fewer GPUs than ranks: the launcher refuses that, not this check
+
+
+def test_bench_zero_leaves_a_gpu_oom_to_the_run(monkeypatch):
+    """bench zero compares a predicted OOM with a measured one: its check stops at the fixed cap on CUDA."""
+    import zeroplan.runtime.gpus as gpus
+    from zeroplan.bench.limits import check_rank_bytes
+
+    monkeypatch.setattr(gpus, "visible_gpu_free_bytes", lambda: [1])
+    check_rank_bytes(2**30, device="cuda", ranks=1, what="x", lower="y", gpu_free=False)
+    with pytest.raises(InputError):
+        check_rank_bytes(2**30, device="cuda", ranks=1, what="x", lower="y")
+
+
+def test_visible_gpu_free_bytes_follows_cuda_visible_devices(monkeypatch):
+    import sys
+    import types
+
+    import zeroplan.runtime.gpus as gpus
+
+    free = {0: 10, 1: 11, 2: 12, "GPU-abc": 13}
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 3,
+        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetHandleByUUID=lambda u: u,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(free=free[h]))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpus.visible_gpu_free_bytes() == [10, 11, 12]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0,7,1")  # the driver stops at the invalid 7
+    assert gpus.visible_gpu_free_bytes() == [12, 10]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
+    assert gpus.visible_gpu_free_bytes() == [13]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-missing")
+    assert gpus.visible_gpu_free_bytes() is None  # NVML cannot resolve it: no check rather than a guess
 
 
 def test_collectives_config_built_in_code_is_bounded_too():

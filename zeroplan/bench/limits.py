@@ -6,9 +6,10 @@
   on a B200) or a typical host holds; a fixed cap, so a typo such as ``99999999999999G`` is refused
   instead of running for minutes. The same cap bounds what one rank of a bench may allocate in all.
 - ``check_rank_bytes``: a rank's allocation against that cap, and on CPU (gloo: every local rank
-  shares the host's memory) against ``HOST_MEMORY_FRACTION`` of the host's MemAvailable. On CUDA
-  the GPU's memory is not queried before the ranks start (that would initialise CUDA in the
-  parent of forked ranks); a run that does not fit on the GPU fails in its ranks (exit 1).
+  shares the host's memory) against ``HOST_MEMORY_FRACTION`` of the host's MemAvailable; on CUDA
+  against ``GPU_MEMORY_FRACTION`` of the free memory NVML reports (the CUDA runtime is not asked:
+  that would initialise CUDA in the parent of forked ranks). ``bench zero`` skips the GPU check:
+  its runs compare a predicted OOM with a measured one.
 
 Imports nothing of torch: the command modules read the bound for their ``--help``.
 """
@@ -20,12 +21,15 @@ import os
 
 from zeroplan._util import InputError, fmt_bytes
 
-__all__ = ["MAX_BUFFER_BYTES", "MAX_BUFFER_TEXT", "HOST_MEMORY_FRACTION", "SWEEP_BUFFERS_PER_RANK",
+__all__ = ["MAX_BUFFER_BYTES", "MAX_BUFFER_TEXT", "HOST_MEMORY_FRACTION", "GPU_MEMORY_FRACTION", "SWEEP_BUFFERS_PER_RANK",
            "parse_size", "check_rank_bytes", "ranks_on_this_host"]
 
 MAX_BUFFER_BYTES = 2**40
 MAX_BUFFER_TEXT = "1024G (2^40 bytes = 1 TiB)"
 HOST_MEMORY_FRACTION = 0.8  # of MemAvailable (every bench, cpu-adam too): the OS and the launcher need the rest
+# of a GPU's free memory (NVML): the rank's CUDA context (~0.5 GiB), NCCL's buffers and the caching
+# allocator's rounding take the rest
+GPU_MEMORY_FRACTION = 0.9
 # bench collectives, per rank at the sweep's largest size: the full buffer, an output buffer of the same
 # size and the shard (at most one more); the previous size's buffers are freed as the next are made.
 SWEEP_BUFFERS_PER_RANK = 3
@@ -69,9 +73,12 @@ def ranks_on_this_host(nproc: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"])
 
 
-def check_rank_bytes(need_bytes: int, *, device: str, ranks: int, what: str, lower: str) -> None:
-    """InputError when one rank would allocate ``need_bytes``: over ``MAX_BUFFER_BYTES`` anywhere, or
-    on CPU over ``HOST_MEMORY_FRACTION`` of MemAvailable for ``ranks`` such ranks on this host.
+def check_rank_bytes(need_bytes: int, *, device: str, ranks: int, what: str, lower: str,
+                     gpu_free: bool = True) -> None:
+    """InputError when one rank would allocate ``need_bytes``: over ``MAX_BUFFER_BYTES`` anywhere, on
+    CPU over ``HOST_MEMORY_FRACTION`` of MemAvailable for ``ranks`` such ranks on this host, and on
+    CUDA (``gpu_free``) when fewer than ``ranks`` visible GPUs have it within ``GPU_MEMORY_FRACTION`` of
+    their free memory as NVML reports it (NVML silent: no check).
 
     ``what`` names the options and the values and says what needs the bytes ("… need"); ``lower`` the
     options to lower.
@@ -80,6 +87,8 @@ def check_rank_bytes(need_bytes: int, *, device: str, ranks: int, what: str, low
         raise InputError(f"{what} {fmt_bytes(need_bytes)} per rank, over the fixed cap of {MAX_BUFFER_TEXT} "
                          f"one rank may allocate; lower {lower}")
     if device == "cuda":
+        if gpu_free:
+            _check_gpu_free(need_bytes, ranks, what, lower)
         return
     from zeroplan.runtime.launch import mem_available_bytes
 
@@ -88,3 +97,17 @@ def check_rank_bytes(need_bytes: int, *, device: str, ranks: int, what: str, low
         raise InputError(f"{what} {fmt_bytes(need_bytes)} per rank × {ranks} rank(s) on this host, more than "
                          f"{HOST_MEMORY_FRACTION:.0%} of the {fmt_bytes(avail)} of memory available here; "
                          f"lower {lower}")
+
+
+def _check_gpu_free(need_bytes: int, ranks: int, what: str, lower: str) -> None:
+    from zeroplan.runtime.gpus import visible_gpu_free_bytes  # NVML only: CUDA stays uninitialised
+
+    free = visible_gpu_free_bytes()
+    if not free or len(free) < ranks:  # NVML silent, or too few GPUs (the launcher says so)
+        return
+    roomy = sum(need_bytes <= GPU_MEMORY_FRACTION * f for f in free)
+    if roomy < ranks:  # no assignment of GPUs to ranks fits, whatever order CUDA numbers them in
+        raise InputError(f"{what} {fmt_bytes(need_bytes)} per rank, and {roomy} of the {len(free)} visible GPUs "
+                         f"have that within {GPU_MEMORY_FRACTION:.0%} of their free memory (NVML; the most free: "
+                         f"{fmt_bytes(max(free))}) for {ranks} rank(s); lower {lower}")
+

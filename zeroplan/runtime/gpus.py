@@ -18,7 +18,7 @@ import os
 
 from zeroplan._util import InputError
 
-__all__ = ["nvml_device_count", "visible_gpu_count", "torch_has_cuda", "resolve_backend"]
+__all__ = ["nvml_device_count", "visible_gpu_count", "visible_gpu_free_bytes", "torch_has_cuda", "resolve_backend"]
 
 
 def nvml_device_count() -> int:
@@ -44,8 +44,12 @@ def nvml_device_count() -> int:
 
 def _visible(raw: str, physical: int) -> int:
     """Devices left visible by a CUDA_VISIBLE_DEVICES value over ``physical`` GPUs."""
-    seen: set[str] = set()
-    count = 0
+    return len(_visible_entries(raw, physical))
+
+
+def _visible_entries(raw: str, physical: int) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries the driver keeps (indices as text, or UUIDs), in order."""
+    seen: list[str] = []
     for item in raw.split(","):
         item = item.strip()
         if item.startswith(("GPU-", "MIG-")):
@@ -60,9 +64,37 @@ def _visible(raw: str, physical: int) -> int:
             key = str(idx)
         if key in seen:
             break  # a repeated device is invalid too
-        seen.add(key)
-        count += 1
-    return min(count, physical)
+        seen.append(key)
+    return seen[:physical]
+
+
+def visible_gpu_free_bytes() -> list[int] | None:
+    """Free memory in bytes of each GPU this process may use, read through NVML (never the CUDA
+    runtime, so forked ranks can still start CUDA); None when NVML cannot say (no driver, no
+    pynvml, an entry NVML cannot resolve). NVML's index order is the PCI order, which CUDA's
+    default order need not follow, so the list is a set of GPUs, not CUDA device 0, 1, ..."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no driver: nothing to say
+        return None
+    try:
+        physical = int(pynvml.nvmlDeviceGetCount())
+        raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+        entries = [str(i) for i in range(physical)] if raw is None else _visible_entries(raw, physical)
+        handles = [pynvml.nvmlDeviceGetHandleByUUID(e) if e.startswith(("GPU-", "MIG-"))
+                   else pynvml.nvmlDeviceGetHandleByIndex(int(e)) for e in entries]
+        return [int(pynvml.nvmlDeviceGetMemoryInfo(h).free) for h in handles]
+    except Exception:  # noqa: BLE001 - an NVML error: say nothing rather than guess
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def visible_gpu_count() -> int:

@@ -28,6 +28,9 @@ from zeroplan.core.ds_config_inputs import (  # noqa: F401
     refuse_ds_errors,
 )
 from zeroplan.core.finetune import FineTuneViews
+from zeroplan.core.option_checks import (  # noqa: F401 - MAX_* and OFFLOAD_DEVICES are re-exported
+    MAX_GPUS, MAX_OPTION_VALUES, OFFLOAD_DEVICES, check_bound, checked_options, unused_offload_notes,
+)
 from zeroplan.core.finetune_inputs import (
     FineTuneOptions, fill_from_file, fill_from_record, read_training_files, resolve_finetune,
 )
@@ -36,7 +39,7 @@ from zeroplan.specs.ds_schema import DSConfig, OffloadOptimizerConfig, OffloadPa
 from zeroplan.specs.hardware_schema import HardwareProfile
 from zeroplan.specs.model import ModelSpec, load_model
 from zeroplan.specs.training import (
-    ACTIVATION_IMPLS, GRAD_ACCUM_DTYPES, OPTIMIZER_IMPLS, TrainingSetup, get_optimizer, get_precision,
+    ACTIVATION_IMPLS, GRAD_ACCUM_DTYPES, TrainingSetup, get_optimizer, get_precision,
 )
 
 __all__ = [
@@ -45,11 +48,6 @@ __all__ = [
     "grad_accum_dtype_from_config",
 ]
 
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-MAX_GPUS = 2**17  # 131,072 data-parallel GPUs: beyond any ZeRO job; keeps a plan well under a second
-# Upper bounds of the per-GPU work options: far beyond any training run (a 16M-token sequence, a
-# million-sample micro-batch), and small enough that every byte count stays an exact integer.
-MAX_OPTION_VALUES = {"--micro-batch": 2**20, "--seq-len": 2**24, "--grad-accum": 2**24}
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_CHECKPOINTING = "none"
 DEFAULT_FLASH_ATTENTION = True
@@ -98,40 +96,6 @@ def zero_for_stage(inp: PlanInputs, stage: int) -> ZeroConfig:
     return zero
 
 
-def _check_positive(name: str, value: int | None) -> None:
-    if value is not None and value <= 0:
-        raise InputError(f"{name} must be a positive integer, got {value}")
-    if value is not None and name in MAX_OPTION_VALUES:
-        _check_bound(name, f"{name} {value:,}", value)
-
-
-def _check_bound(flag: str, said: str, value: int) -> None:
-    """``value`` (an option's, or the config's for that option, ``said`` as the message names it)
-    within ``MAX_OPTION_VALUES[flag]``."""
-    if value > MAX_OPTION_VALUES[flag]:
-        raise InputError(f"{said} is beyond what zeroplan plans: expected at most {MAX_OPTION_VALUES[flag]:,}")
-
-
-def _checked_options(*, gpus: int | None, nodes: int | None, gpus_per_node: int | None, micro_batch: int | None,
-                     seq_len: int | None, grad_accum: int | None, optimizer_impl: str | None,
-                     stage: int | list[int] | None, checkpointing: str | None, offload_optimizer: str | None,
-                     offload_param: str | None) -> list[int] | None:
-    """The options checked one by one (the first mistake raises); the stages as a list (None: not given)."""
-    stage_list = None if stage is None else ([stage] if isinstance(stage, int) else list(stage))
-    for name, v in (("--gpus", gpus), ("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
-                    ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--grad-accum", grad_accum)):
-        _check_positive(name, v)
-    if optimizer_impl is not None and optimizer_impl not in OPTIMIZER_IMPLS:
-        raise InputError(f"--optimizer-impl {optimizer_impl!r} is unknown; expected one of {', '.join(OPTIMIZER_IMPLS)}")
-    for st in stage_list or []:
-        if isinstance(st, bool) or st not in (0, 1, 2, 3):
-            raise InputError(f"--stage {st} is not a ZeRO stage; expected 0, 1, 2 or 3")
-    if checkpointing is not None and checkpointing not in CHECKPOINTING:
-        raise InputError(f"--checkpointing {checkpointing!r} is unknown; expected none, selective or full")
-    for name, v in (("--offload-optimizer", offload_optimizer), ("--offload-param", offload_param)):
-        if v is not None and v not in OFFLOAD_DEVICES:
-            raise InputError(f"{name} {v!r} is unknown; expected one of none, cpu, nvme")
-    return stage_list
 
 
 def _cluster_shape(gpus: int | None, nodes: int | None, gpus_per_node: int | None, hw: HardwareProfile | None,
@@ -229,8 +193,8 @@ def _training_setup(*, precision: str | None, optimizer: str | None, micro_batch
     for flag, key, value in (("--micro-batch", "train_micro_batch_size_per_gpu", mb),
                              ("--seq-len", f"{ZEROPLAN_KEY}.seq_len", seq_len),
                              ("--grad-accum", "gradient_accumulation_steps", gas)):
-        # the options were checked already (_checked_options): a value beyond the bound is the config's
-        _check_bound(flag, f"{ds_config}: {key} = {value:,}", value)
+        # the options were checked already (checked_options): a value beyond the bound is the config's
+        check_bound(flag, f"{ds_config}: {key} = {value:,}", value)
     impl = _optimizer_step(optimizer_impl, ds, assumptions)
     acc = grad_accum_dtype_from_config(ds)
     assert acc is None or acc in GRAD_ACCUM_DTYPES
@@ -289,17 +253,6 @@ def _stages(stage_list: list[int] | None, ds: DSConfig | None) -> list[int]:
     return stages
 
 
-def _unused_offload_notes(stages: list[int], offload_optimizer: str | None, offload_param: str | None) -> list[str]:
-    """What an offload option cannot do at some planned stage, as the config's DS010 warnings say it
-    (specs/ds_zero.py): DeepSpeed offloads parameters only in stage 3 and optimizer states from stage 1."""
-    out = []
-    for flag, dev, lowest in (("--offload-optimizer", offload_optimizer, 1), ("--offload-param", offload_param, 3)):
-        skipped = [str(st) for st in stages if st < lowest]
-        if dev not in (None, "none") and skipped:
-            out.append(f"{flag} {dev} has no effect at stage{'s' * (len(skipped) > 1)} {', '.join(skipped)} (DeepSpeed offloads "
-                       f"{'parameters only in stage 3' if lowest == 3 else 'optimizer states from stage 1'}): "
-                       "planned without it there")
-    return out
 
 
 def _load_hardware(hardware: str | None) -> HardwareProfile | None:
@@ -371,7 +324,7 @@ def build_plan_inputs(
         ft_opts.from_file = tf.finetune
     if model is None:
         raise InputError("--model is needed (or a training file that names the base model)")
-    stage_list = _checked_options(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=micro_batch,
+    stage_list = checked_options(gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, micro_batch=micro_batch,
                                   seq_len=seq_len, grad_accum=grad_accum, optimizer_impl=optimizer_impl, stage=stage,
                                   checkpointing=checkpointing, offload_optimizer=offload_optimizer,
                                   offload_param=offload_param)
@@ -396,7 +349,7 @@ def build_plan_inputs(
     training = _activation_code(training, activations, meta, ds, ds_config, assumptions)
 
     stages = _stages(stage_list, ds)
-    assumptions.extend(_unused_offload_notes(stages, offload_optimizer, offload_param))
+    assumptions.extend(unused_offload_notes(stages, offload_optimizer, offload_param))
     if spec.approximate:
         assumptions.extend(spec.notes)
     file_notes += fill_from_record(ft_opts, meta.get("finetune"), str(ds_config))

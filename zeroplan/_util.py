@@ -354,6 +354,12 @@ _COUNT_RE = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+
 _COUNT_MAX_CHARS = 64
 
 
+def ascii_digits(text: str, max_digits: int = 30) -> bool:
+    """True when int() takes ``text`` as a plain count: ASCII digits only ("²".isdigit() is true, but
+    int("²") fails) and at most ``max_digits`` of them (int() refuses over 4,300)."""
+    return text.isascii() and text.isdigit() and len(text) <= max_digits
+
+
 def parse_error_text(exc: ValueError) -> str:
     """A JSON/TOML/YAML parser's ValueError as the user should read it. CPython's int() refuses a
     number of over 4,300 digits (``sys.get_int_max_str_digits``); its message advises a Python

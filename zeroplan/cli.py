@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as _cx  # type: ignore[no-redef]
     from click.utils import echo as _echo  # type: ignore[no-redef]
 
-from zeroplan._util import InputError
+from zeroplan._util import InputError, ascii_digits
 
 __all__ = ["app", "main", "HELP_WIDTH"]
 
@@ -224,7 +224,7 @@ def _drop_unreadable_terminal_size() -> None:
     parses is bounded where it matters (charts: report/charts.MAX_CHART_WIDTH)."""
     for name in ("COLUMNS", "LINES"):
         value = os.environ.get(name, "")
-        if value.isdigit() and not (value.isascii() and len(value) <= 9):
+        if value.isdigit() and not ascii_digits(value, 9):
             del os.environ[name]
 
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field
 
-from zeroplan._util import InputError, atomic_write_text, fmt_bytes
+from zeroplan._util import InputError, ascii_digits, atomic_write_text, fmt_bytes
 from zeroplan.bench.collectives_profile import (  # re-exported: zeroplan.bench.collectives keeps its names
     R2_WARN_BELOW, add_predictions, fit_tiers, measured_link_name, save_profile_from_report)
 from zeroplan.bench.limits import (  # parse_size: re-exported
@@ -182,7 +182,7 @@ def _env_delays() -> dict[int, float]:
     for part in raw.split(",") if raw else []:
         r, _, s = part.strip().partition(":")
         try:
-            rank, delay_s = int(r) if r.isascii() and len(r) <= 9 else -1, float(s)
+            rank, delay_s = int(r) if ascii_digits(r, 9) else -1, float(s)
         except ValueError:
             rank, delay_s = -1, 0.0
         if rank < 0 or not 0 <= delay_s <= 3600:

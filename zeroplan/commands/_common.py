@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, TypeVar, get_type_hints
 import typer
 from typing_extensions import Annotated
 
-from zeroplan._util import InputError
+from zeroplan._util import InputError, ascii_digits
 from zeroplan.options import CheckOptions, CommonOptions, RecommendOptions, ReportOptions, default_of
 
 __all__ = [
@@ -204,7 +204,7 @@ def parse_ranks(value: str | None) -> list[int] | None:
     out: list[int] = []
     for part in str(value).split(","):
         part = part.strip()
-        if not (part.isascii() and part.isdigit() and len(part) <= 30) or int(part) < 1:
+        if not ascii_digits(part) or int(part) < 1:
             raise InputError(f"--lora-ranks {value!r}: {part!r} is not a positive whole rank; expected e.g. 8,16,64")
         out.append(int(part))
     return sorted(set(out))

@@ -11,6 +11,7 @@ import re
 from collections import Counter, defaultdict
 from typing import Any
 
+from zeroplan._util import ascii_digits
 from zeroplan.inspect.nccl_patterns import (
     _CHANNELS,
     _COLL,
@@ -106,11 +107,6 @@ class _State:
         self.issues[key] = NcclIssue(kind=kind, message=message, line=line_no, host=host, **extra)
 
 
-def _plain_digits(text: str) -> bool:
-    """ASCII digits int() takes: "²".isdigit() is true but int("²") fails, as do over 4,300 digits."""
-    return text.isascii() and text.isdigit() and len(text) <= 30
-
-
 def _scan_free_text(st: _State, text: str, line_no: int, host: str | None) -> bool:
     """Look for version / timeout / error text outside NCCL records. True if something matched."""
     found = False
@@ -134,7 +130,7 @@ def _scan_free_text(st: _State, text: str, line_no: int, host: str | None) -> bo
             line_no,
             host,
             op=fields.get("OpType"),
-            timeout_ms=int(timeout_ms) if timeout_ms and _plain_digits(timeout_ms) else None,
+            timeout_ms=int(timeout_ms) if timeout_ms and ascii_digits(timeout_ms) else None,
         )
         return True
     if _ERROR.search(text):

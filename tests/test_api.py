@@ -176,7 +176,7 @@ def test_estimate_report_and_nccl_log_offer_the_plan_options_in_one_order():
     from zeroplan.commands._common import _plan_options
 
     names = list(inspect.signature(_plan_options).parameters)
-    assert len(names) == 22
+    assert len(names) == 23
     for command in ("estimate", "report", "nccl-log"):
         assert [p.name for p in _params(command) if p.name in names] == names, command
     # nccl-log's FILE argument stays first, before the options

@@ -261,7 +261,8 @@ def _recommend_one(opts: RecommendOptions, gb: tuple[int, str] | None,
             rec.ds_config, seq_len=inp.training.seq_len, checkpointing=rec.chosen.checkpointing,
             flash_attention=inp.training.flash_attention, model=inp.spec.name,
             hardware=inp.hardware.name if inp.hardware is not None else None, n_gpus=inp.n_gpus,
-            finetune=finetune_record(inp.finetune), activations=inp.training.activation_impl)
+            finetune=finetune_record(inp.finetune), activations=inp.training.activation_impl,
+            kernels=inp.training.kernels)
         rec.peft = peft_settings(inp.finetune.finetune if inp.finetune is not None else None, rec.training,
                                  rec.chosen)
     return rec

@@ -80,6 +80,10 @@ class CommonOptions(FineTuneOptions):
     - ``precision`` (fp32, bf16, fp16), ``optimizer`` (adamw, adam, sgd-momentum, sgd, adam8bit),
       ``micro_batch``, ``seq_len``, ``grad_accum``, ``checkpointing`` (none, selective, full),
       ``flash_attention``: the training setup.
+    - ``kernels``: how the element-wise kernels run: ``"fused"`` (torch.compile, Liger, Megatron-LM),
+      ``"unfused"`` (transformers' modeling code op by op, the module in the training dtype, as
+      DeepSpeed runs it) or ``"unfused-amp"`` (the same under torch.autocast with fp32 weights);
+      ``None``: the config's ``zeroplan.kernels``, else fused.
     - ``comm_model``: the flavour (``--flavour``, alias ``--comm-model``): ``"deepspeed"`` (what
       DeepSpeed 0.19.8 allocates and issues) or ``"paper"`` (the ZeRO paper's accounting).
     - ``mfu``: a fixed model FLOPs utilisation in (0, 1]; ``None``: the compute model.
@@ -97,6 +101,7 @@ class CommonOptions(FineTuneOptions):
     grad_accum: Optional[int] = None
     checkpointing: Optional[str] = None
     flash_attention: Optional[bool] = None
+    kernels: Optional[str] = None
     comm_model: str = "deepspeed"
     mfu: Optional[float] = None
 

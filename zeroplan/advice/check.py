@@ -185,6 +185,7 @@ def check_config(
     grad_accum: int | None = None,
     checkpointing: str | None = None,
     flash_attention: bool | None = None,
+    kernels: str | None = None,
     comm_model: str = "deepspeed",
     mfu: float | None = None,
     max_comm_share: float = 0.5,
@@ -218,7 +219,8 @@ def check_config(
         inp = build_plan_inputs(
             model=model, hardware=hardware, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, ds_config=path,
             precision=precision, optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len,
-            grad_accum=grad_accum, checkpointing=checkpointing, flash_attention=flash_attention, **finetune,
+            grad_accum=grad_accum, checkpointing=checkpointing, flash_attention=flash_attention, kernels=kernels,
+            **finetune,
         )
     except InputError as exc:  # the CLI options were validated before: this is the file itself
         msg = str(exc)
@@ -269,7 +271,8 @@ def run_check(patterns: list[str], *, fail_on: str = "error", expand_globs: bool
         model=opts["model"], hardware=opts["hardware"], gpus=opts.get("gpus"), nodes=opts.get("nodes"),
         gpus_per_node=opts.get("gpus_per_node"), precision=opts.get("precision"), optimizer=opts.get("optimizer"),
         micro_batch=opts.get("micro_batch"), seq_len=opts.get("seq_len"), grad_accum=opts.get("grad_accum"),
-        checkpointing=opts.get("checkpointing"), **{k: opts[k] for k in FINETUNE_KEYS if k in opts},
+        checkpointing=opts.get("checkpointing"), kernels=opts.get("kernels"),
+        **{k: opts[k] for k in FINETUNE_KEYS if k in opts},
     )
     paths = expand_config_paths(patterns, expand_globs=expand_globs)
     files = [check_config(p, fail_on=fail_on, **opts) for p in paths]

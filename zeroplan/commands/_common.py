@@ -119,6 +119,13 @@ Activations = Annotated[Optional[str], typer.Option(
     help="The code that computes activations: Hugging Face transformers (traced per family) or Megatron-LM's "
          "GPT-2 (Korthikanti's terms as DeepSpeedExamples computes them; reads DeepSpeed's "
          "activation_checkpointing block, cpu_checkpointing puts layer checkpoints in host RAM).")]
+Kernels = Annotated[Optional[str], typer.Option(
+    "--kernels", metavar="fused|unfused|unfused-amp",
+    show_default="from --ds-config's zeroplan.kernels, else fused",
+    help="How the element-wise (non-matmul) kernels run: fused (torch.compile, Liger, Megatron-LM, llm-foundry, "
+         "torchtitan); unfused: transformers' modeling code op by op with the model in the training dtype (as "
+         "DeepSpeed runs it, and FSDP mixed precision); unfused-amp: the same under torch.autocast with fp32 "
+         "weights (DDP + AMP). Unfused code moves several times more bytes through HBM per token.")]
 Mfu = Annotated[Optional[float], typer.Option(
     "--mfu", metavar="FRACTION", show_default="the compute model (FLOPs from the architecture at a rate by GPU "
     "generation and shape)", help="Override the compute model with a fixed model FLOPs utilisation (0–1].")]
@@ -250,6 +257,7 @@ def _plan_options(
     offload_param: OffloadParam = None,
     optimizer_impl: OptimizerImpl = None,
     activations: Activations = None,
+    kernels: Kernels = None,
     stage: Stage = None,
     comm_model: CommModel = DEFAULT_COMM_MODEL,
     mfu: Mfu = DEFAULT_MFU,

@@ -9,7 +9,7 @@ from typing_extensions import Annotated
 
 from zeroplan.commands._common import (
     DEFAULT_COMM_MODEL, DEFAULT_FAIL_ON, DEFAULT_HEADROOM, DEFAULT_MAX_COMM_SHARE, DEFAULT_MFU, Checkpointing,
-    CommModel, FlashAttention, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, MicroBatch, Mfu, Model, Nodes,
+    CommModel, FlashAttention, Kernels, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, MicroBatch, Mfu, Model, Nodes,
     Optimizer, Precision, SeqLen, console, handle_errors, with_fine_tuning_options, options_from,
 )
 from zeroplan.options import FAIL_ON, CheckOptions
@@ -65,6 +65,7 @@ def register(app: typer.Typer) -> None:
         grad_accum: GradAccum = None,
         checkpointing: Checkpointing = None,
         flash_attention: FlashAttention = None,
+        kernels: Kernels = None,
         fail_on: Annotated[str, typer.Option(
             "--fail-on", metavar="error|warning",
             help="Fail (exit 1) on findings at or above this severity.")] = DEFAULT_FAIL_ON,

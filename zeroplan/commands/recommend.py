@@ -12,7 +12,7 @@ from zeroplan._util import InputError
 from zeroplan.commands._common import (
     LoraRanks, GlobalBatchTarget, OptionalModel,
     DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, DEFAULT_TOP, Checkpointing, CommModel, DsConfig,
-    FlashAttention, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, Json, Lenient, MicroBatch, Mfu, Nodes,
+    FlashAttention, GpusPerNode, Kernels, GradAccum, Gpus, Hardware, Headroom, Json, Lenient, MicroBatch, Mfu, Nodes,
     Optimizer, Precision, SeqLen, Stage, Strict, console, handle_errors, with_fine_tuning_options, options_from, print_json,
 )
 from zeroplan.options import RecommendOptions
@@ -166,6 +166,7 @@ def recommend_cmd(
     grad_accum: GradAccum = None,
     checkpointing: Checkpointing = None,
     flash_attention: FlashAttention = None,
+    kernels: Kernels = None,
     stage: Stage = None,
     headroom: Headroom = DEFAULT_HEADROOM,
     allow_nvme: Annotated[bool, typer.Option("--nvme/--no-nvme", help="Consider NVMe offload.")] = (

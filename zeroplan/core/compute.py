@@ -29,7 +29,8 @@ Rate: matmuls at ``peak × gemm_fraction(generation) × shape factor``; attentio
 ``peak × attention_fraction`` (FlashAttention kernels; without FlashAttention its matmuls at the
 matmul rate plus the score matrix streamed through HBM, ``eager_score_bytes``); the element-wise
 and normalisation work, which is bound by memory bandwidth, at
-``HBM bandwidth × HBM_EFFICIENCY`` for a byte count per token and layer (below). The shape
+``HBM bandwidth × HBM_EFFICIENCY`` for the bytes core/elementwise.py counts per token (fused kernels,
+or transformers' code op by op: ``--kernels``). The shape
 factor is m / (m + GEMM_HALF_DIM) for the smallest of (micro-batch × sequence, hidden size):
 small matmuls do not fill the GPU's tiles and waves. The per-generation fractions are the
 table ``GENERATIONS``, each with its source. ``--mfu`` overrides all of it: compute time =
@@ -45,6 +46,7 @@ from pydantic import BaseModel
 
 from zeroplan._util import InputError
 from zeroplan.core.activation_terms import dropout_flags
+from zeroplan.core.elementwise import elementwise_traffic
 from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
 from zeroplan.specs.training import PrecisionPreset, TrainingSetup
 
@@ -90,12 +92,6 @@ GENERATIONS: dict[str, Generation] = {
 }
 _DEFAULT_GEN = "ampere"
 
-# Bytes of memory-bound (element-wise, normalisation, rotary, residual, activation function,
-# softmax-free since attention is fused) traffic per token per layer, forward + backward, in
-# units of (hidden size × activation bytes). Counted for a pre-norm decoder block: 2 norms
-# (read+write, backward twice), 2 residual adds (3 reads/writes), the MLP activation on
-# 2-3 × ffn elements, rotary on q/k; ~14 h forward, ~2× that backward: 42.
-ELEMENTWISE_H_PER_TOKEN_LAYER = 42
 HBM_EFFICIENCY = 0.8  # of hbm_bandwidth_GBps reached by streaming kernels (STREAM-like copy on HBM2e/HBM3)
 GEMM_HALF_DIM = 128  # a matmul dimension of this size runs at half the large-shape rate (one 128-wide tile)
 
@@ -169,8 +165,7 @@ class ComputeEstimate(BaseModel):
     backward_time_s: float = 0.0  # the backward pass, with the recomputation that runs inside it
 
 
-EAGER_NOTE = (" (no FlashAttention: its matmuls plus the score matrix streamed through HBM; transformers' eager "
-              "GPT-2 ran up to 2x slower than this in flash-attention's published runs, so read it as a lower bound)")
+EAGER_NOTE = " (no FlashAttention: its matmuls plus the score matrix streamed through HBM)"
 
 
 def eager_score_bytes(precision: PrecisionPreset, dropout: bool) -> tuple[int, int]:
@@ -276,8 +271,8 @@ def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float
     else:
         t_att = _eager_attention_time_s(model, training, hw, tokens, (3 * fwd_att + re_att) / (peak * gen.gemm_fraction))
     att_frac = (3 * fwd_att + re_att) / (t_att * peak) if t_att > 0 else gen.attention_fraction
-    ew_bytes = ELEMENTWISE_H_PER_TOKEN_LAYER * model.hidden_size * training.precision.activation_bytes \
-        * f["layers"] * tokens * (4 / 3 if ck == "full" else 1.0)
+    ew = elementwise_traffic(model, training)
+    ew_bytes = tokens * (ew.forward_bytes + ew.backward_bytes + (ew.recompute_bytes if ck == "full" else 0.0))
     t_ew = ew_bytes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
     t = t_mm + t_att + t_ew
     return ComputeEstimate(
@@ -285,7 +280,7 @@ def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float
         attention_share=3 * fwd_att / model_flops if model_flops else 0.0, peak_flops=peak,
         mfu=model_flops / (t * peak) if t > 0 else 0.0,
         source=f"compute model: {gen.name} matmuls at {gen.gemm_fraction:.2f} of peak × shape {shape:.2f}, "
-               f"attention at {att_frac:.2f}{'' if training.flash_attention else EAGER_NOTE}, element-wise at "
-               f"{HBM_EFFICIENCY:.0%} of HBM bandwidth ({gen.source})",
+               f"attention at {att_frac:.2f}{'' if training.flash_attention else EAGER_NOTE}, element-wise "
+               f"({ew.source}) at {HBM_EFFICIENCY:.0%} of HBM bandwidth ({gen.source})",
         generation=gen.name, gemm_fraction=gen.gemm_fraction, attention_fraction=att_frac, shape_factor=shape,
         elementwise_time_s=t_ew, forward_time_s=t * fwd_share, backward_time_s=t * (1 - fwd_share))

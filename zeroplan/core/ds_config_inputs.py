@@ -14,7 +14,7 @@ from zeroplan._util import InputError, read_text_file
 from zeroplan.specs.config_lines import find_key_line, key_lines
 from zeroplan.specs.ds_keys import _DTYPE_ENUM, ZEROPLAN_KEY
 from zeroplan.specs.ds_schema import DEEPSPEED_VERSION, ActivationCheckpointingConfig, DSConfig
-from zeroplan.specs.training import ACTIVATION_IMPLS, TrainingSetup
+from zeroplan.specs.training import ACTIVATION_IMPLS, KERNELS, TrainingSetup
 
 __all__ = ["CHECKPOINTING", "optimizer_impl_from_config", "grad_accum_dtype_from_config", "planning_metadata",
            "annotate_ds_config", "refuse_ds_errors"]
@@ -74,6 +74,7 @@ _META_CHECKS = {
     "flash_attention": ("true or false", lambda v: isinstance(v, bool)),
     "finetune": ("an object of fine-tuning options", lambda v: isinstance(v, dict)),
     "activations": (" or ".join(ACTIVATION_IMPLS), lambda v: v in ACTIVATION_IMPLS),
+    "kernels": (", ".join(KERNELS), lambda v: v in KERNELS),
 }
 
 
@@ -109,7 +110,8 @@ def planning_metadata(ds: DSConfig) -> dict[str, Any]:
 
 def annotate_ds_config(config: dict[str, Any], *, seq_len: int, checkpointing: str, flash_attention: bool,
                        model: str, hardware: str | None, n_gpus: int,
-                       finetune: dict[str, Any] | None = None, activations: str | None = None) -> dict[str, Any]:
+                       finetune: dict[str, Any] | None = None, activations: str | None = None,
+                       kernels: str | None = None) -> dict[str, Any]:
     """``config`` plus what the plan assumed: a ``zeroplan`` block (read back by ``check`` and
     ``estimate``) and, for full checkpointing, DeepSpeed's ``activation_checkpointing`` block with
     DeepSpeed's defaults (what ``deepspeed.checkpointing.checkpoint`` uses when the script calls it;
@@ -131,6 +133,8 @@ def annotate_ds_config(config: dict[str, Any], *, seq_len: int, checkpointing: s
         out[ZEROPLAN_KEY]["finetune"] = finetune
     if activations is not None and activations != TrainingSetup.model_fields["activation_impl"].default:
         out[ZEROPLAN_KEY]["activations"] = activations  # read back by core/inputs.py _activation_code
+    if kernels is not None and kernels != TrainingSetup.model_fields["kernels"].default:
+        out[ZEROPLAN_KEY]["kernels"] = kernels  # read back by core/inputs.py _kernels
     return out
 
 

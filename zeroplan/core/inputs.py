@@ -39,7 +39,7 @@ from zeroplan.specs.ds_schema import DSConfig, OffloadOptimizerConfig, OffloadPa
 from zeroplan.specs.hardware_schema import HardwareProfile
 from zeroplan.specs.model import ModelSpec, load_model
 from zeroplan.specs.training import (
-    ACTIVATION_IMPLS, GRAD_ACCUM_DTYPES, TrainingSetup, get_optimizer, get_precision,
+    ACTIVATION_IMPLS, GRAD_ACCUM_DTYPES, KERNELS, TrainingSetup, get_optimizer, get_precision,
 )
 
 __all__ = [
@@ -228,6 +228,19 @@ def _activation_code(training: TrainingSetup, option: str | None, meta: dict[str
         "partition_activations": bool(ac and ac.partition_activations)})
 
 
+def _kernels(training: TrainingSetup, option: str | None, meta: dict[str, Any], ds_config: str | None,
+             assumptions: list[str]) -> TrainingSetup:
+    """How the element-wise kernels run (``--kernels``, else the config's ``zeroplan.kernels``, else fused)."""
+    if option is not None and option not in KERNELS:
+        raise InputError(f"--kernels {option!r} is unknown; expected one of {', '.join(KERNELS)}")
+    kernels = option if option is not None else meta.get("kernels", training.kernels)
+    if kernels == training.kernels:
+        return training
+    source = "--kernels" if option is not None else f"{ds_config}: {ZEROPLAN_KEY}.kernels"
+    assumptions.append(f"element-wise kernels: {kernels} (from {source})")
+    return training.model_copy(update={"kernels": kernels})
+
+
 def _load_config(ds_config: str | None, *, strict: bool, spec: ModelSpec, precision: str | None,
                  micro_batch: int | None, grad_accum: int | None, n_gpus: int) -> DSConfig | None:
     """The DeepSpeed config read as DeepSpeed would see it on this cluster (None: no config)."""
@@ -286,6 +299,7 @@ def build_plan_inputs(
     optimizer_impl: str | None = None,
     expandable_segments: bool = False,
     activations: str | None = None,
+    kernels: str | None = None,
     method: str | None = None,
     lora_r: int | None = None,
     lora_alpha: float | None = None,
@@ -301,10 +315,9 @@ def build_plan_inputs(
     axolotl: str | None = None,
     llama_factory: str | None = None,
 ) -> PlanInputs:
-    """The planning inputs. ``None`` means "not given": the DeepSpeed config's value (for
-    ``seq_len``/``checkpointing``/``flash_attention`` its ``zeroplan`` block), else the default.
-    ``stage`` is one stage or a list of stages. Fine-tuning options and training files:
-    core/finetune_inputs.py (a training file fills what the options leave unset)."""
+    """The planning inputs. ``None`` means "not given": the DeepSpeed config's value (seq_len, checkpointing,
+    flash_attention, activations, kernels: its ``zeroplan`` block), else the default. ``stage``: one or a list.
+    Fine-tuning options and training files: core/finetune_inputs.py (a file fills what the options leave unset)."""
     ft_opts = FineTuneOptions(method=method, lora_r=lora_r, lora_alpha=lora_alpha, lora_targets=lora_targets, dora=dora,
                               modules_to_save=modules_to_save, trainable=trainable, quant_bits=quant_bits,
                               double_quant=double_quant, quant_storage=quant_storage)
@@ -346,7 +359,8 @@ def build_plan_inputs(
                                flash_attention=flash_attention, optimizer_impl=optimizer_impl,
                                expandable_segments=expandable_segments, ds=ds, ds_config=ds_config,
                                assumptions=assumptions)
-    training = _activation_code(training, activations, meta, ds, ds_config, assumptions)
+    training = _kernels(_activation_code(training, activations, meta, ds, ds_config, assumptions), kernels, meta,
+                        ds_config, assumptions)
 
     stages = _stages(stage_list, ds)
     assumptions.extend(unused_offload_notes(stages, offload_optimizer, offload_param))

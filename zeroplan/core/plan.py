@@ -194,6 +194,7 @@ def training_summary(training: TrainingSetup) -> dict[str, Any]:
         "checkpointing": training.checkpointing,
         "flash_attention": training.flash_attention,
         "activations": training.activation_impl,
+        "kernels": training.kernels,
     }
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "OPTIMIZER_IMPLS",
     "GRAD_ACCUM_DTYPES",
     "ACTIVATION_IMPLS",
+    "KERNELS",
 ]
 
 # How the Adam step is executed on the GPU (what it allocates beside the states; core/memory_states.py):
@@ -36,6 +37,11 @@ OPTIMIZER_IMPLS = ("fused-adam", "torch-foreach", "torch-fused", "torch-single",
 #   transformers  the model as transformers implements it (the shipped trace; the default)
 #   megatron      Megatron-LM's GPT-2 as DeepSpeedExamples ships it (core/activations_megatron.py)
 ACTIVATION_IMPLS = ("transformers", "megatron")
+# How the model's element-wise (non-matmul) kernels run (core/elementwise.py): fused kernels (torch.compile,
+# Liger, Apex/Transformer Engine norms, Megatron-LM, llm-foundry, torchtitan); transformers' modeling code op
+# by op with the module in the training dtype (DeepSpeed's engine, FSDP mixed precision); the same code under
+# torch.autocast with fp32 weights (DDP + AMP: the HF Trainer without DeepSpeed or FSDP).
+KERNELS = ("fused", "unfused", "unfused-amp")
 # data_types.grad_accum_dtype (None = the model dtype, DeepSpeed's default)
 GRAD_ACCUM_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -120,6 +126,7 @@ class TrainingSetup(BaseModel):
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     activation_impl: Literal["transformers", "megatron"] = "transformers"
+    kernels: Literal["fused", "unfused", "unfused-amp"] = "fused"  # KERNELS: element-wise traffic (core/elementwise.py)
     # DeepSpeed's activation_checkpointing.cpu_checkpointing: the layer checkpoints live in host memory
     # (only where the script checkpoints through deepspeed.checkpointing: activation_impl "megatron")
     cpu_checkpointing: bool = False

@@ -175,7 +175,7 @@ def _gpt_node_case(r: dict[str, str]) -> float:
     cfg.update(attn_pdrop=p_drop, resid_pdrop=p_drop, embd_pdrop=p_drop)
     tr = TrainingSetup(precision=get_precision(r["precision"]), micro_batch=int(r["micro_batch"]),
                        seq_len=int(r["seq_len"]), grad_accum=int(r["grad_accum"]), checkpointing="none",
-                       flash_attention=r["attention"] == "flash")
+                       flash_attention=r["attention"] == "flash", kernels=r["kernels"])
     n = int(r["n_gpus"])
     return evaluate(model=spec_from_config(cfg, r["model"], "published"), training=tr,
                     zero=ZeroConfig(stage=int(r["stage"])), n_gpus=n, hardware=_hw(r["profile"])).tokens_per_s / n
@@ -198,16 +198,18 @@ def test_flash_attention_and_lambda_tables():
     print(", ".join(f"{k} {v:.1%}" for k, v in meds.items()))
     assert meds["flash-attention/flash"] <= FLASH_ATTENTION_MEDIAN_BOUND
     assert meds["lambda/flash"] <= LAMBDA_MEDIAN_BOUND
-    # transformers' eager attention (the "Huggingface" bars): the score matrix's HBM traffic is counted
-    # (core/compute.py eager_score_bytes), yet zeroplan is still about 2x too fast there (see the README)
+    # transformers' GPT-2 under AMP (the "Huggingface" bars): the score matrix's HBM traffic
+    # (core/compute.py eager_score_bytes) and transformers' element-wise kernels run op by op under autocast
+    # (core/elementwise.py, kernels "unfused-amp", traced from transformers) are counted
     assert meds["flash-attention/eager"] <= EAGER_MEDIAN_BOUND
 
 
 # reached: flash-attention's FlashAttention rows 5.2% (9 rows, -2% to +10%); Lambda 19.2% (A100 +9%, +12%; H100 +27%,
-# +27%); transformers' eager rows 88.9% (+68% to +115%; before the score traffic was counted: +157% to +412%)
+# +27%); transformers' eager rows 30.4% (+24% to +41%; 88.9% with the fused element-wise count, +157% to +412% before
+# the score traffic was counted)
 FLASH_ATTENTION_MEDIAN_BOUND = 0.07
 LAMBDA_MEDIAN_BOUND = 0.21
-EAGER_MEDIAN_BOUND = 0.95
+EAGER_MEDIAN_BOUND = 0.32
 
 
 def test_all_sources_throughput():

@@ -104,3 +104,45 @@ def test_recommend_emits_the_kernels_it_planned(tmp_path):
                             "--kernels", "unfused", "--emit-config", str(target)])
     assert r.exit_code == 0, r.output
     assert json.loads(target.read_text())["zeroplan"]["kernels"] == "unfused"
+
+
+# ----------------------------------------------------------------------------- training files
+HF_ARGS = "per_device_train_batch_size: 2\nbf16: true\nmax_seq_length: 4096\n"
+AXOLOTL = "base_model: meta-llama/Llama-2-7b-hf\nsequence_len: 2048\nmicro_batch_size: 1\nbf16: auto\n"
+LLAMA_FACTORY = "model_name_or_path: meta-llama/Llama-2-7b-hf\nfinetuning_type: full\ncutoff_len: 1024\nbf16: true\n"
+
+
+@pytest.mark.parametrize("flag,body,fusing", [
+    ("hf_args", HF_ARGS, "use_liger_kernel: true\n"),
+    ("hf_args", HF_ARGS, "torch_compile: true\n"),
+    ("axolotl", AXOLOTL, "liger_rms_norm: true\n"),
+    ("llama_factory", LLAMA_FACTORY, "enable_liger_kernel: true\n"),
+])
+def test_a_training_file_runs_transformers_code_fused_only_with_liger_or_compile(tmp_path, flag, body, fusing):
+    # the HF Trainer, axolotl and LLaMA-Factory run transformers' modeling code: op by op unless Liger's
+    # kernels or torch.compile are switched on in the file
+    plain, fused = tmp_path / "plain.yaml", tmp_path / "fused.yaml"
+    plain.write_text(body)
+    fused.write_text(body + fusing)
+    kw = {"model": None if flag != "hf_args" else "llama-2-7b", "gpus": 8}
+    a = build_plan_inputs(**kw, **{flag: str(plain)})
+    b = build_plan_inputs(**kw, **{flag: str(fused)})
+    assert (a.training.kernels, b.training.kernels) == ("unfused", "fused")
+    assert any("element-wise kernels: unfused" in x and "none of" in x for x in a.assumptions)
+    key = fusing.split(":")[0]
+    assert any(f"element-wise kernels: fused (from {fused}: {key})" in x for x in b.assumptions)
+    # the option wins over the file
+    assert build_plan_inputs(**kw, kernels="unfused-amp", **{flag: str(fused)}).training.kernels == "unfused-amp"
+
+
+def test_a_non_boolean_switch_names_the_key(tmp_path):
+    f = tmp_path / "args.yaml"
+    f.write_text(HF_ARGS + "use_liger_kernel: sometimes\n")
+    with pytest.raises(InputError, match="use_liger_kernel = 'sometimes'; expected true or false"):
+        build_plan_inputs(model="llama-2-7b", gpus=8, hf_args=str(f))
+
+
+def test_an_accelerate_config_says_nothing_about_the_model_code(tmp_path):
+    f = tmp_path / "accelerate.yaml"
+    f.write_text("distributed_type: DEEPSPEED\nnum_processes: 8\nmixed_precision: bf16\n")
+    assert build_plan_inputs(model="llama-2-7b", accelerate_config=str(f)).training.kernels == "fused"

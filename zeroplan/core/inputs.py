@@ -13,7 +13,7 @@ catalog name alone neither compiles nor runs them (issue 14: the cold start).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zeroplan._util import InputError
 from zeroplan.core.ds_config_inputs import (  # noqa: F401
@@ -41,6 +41,9 @@ from zeroplan.specs.model import ModelSpec, load_model
 from zeroplan.specs.training import (
     ACTIVATION_IMPLS, GRAD_ACCUM_DTYPES, KERNELS, TrainingSetup, get_optimizer, get_precision,
 )
+
+if TYPE_CHECKING:  # read_training_files loads the readers only when a file is given
+    from zeroplan.specs.trainfile_reader import TrainingFile
 
 __all__ = [
     "PlanInputs", "build_plan_inputs", "zero_for_stage", "OFFLOAD_DEVICES", "CHECKPOINTING", "DEFAULT_SEQ_LEN",
@@ -229,14 +232,19 @@ def _activation_code(training: TrainingSetup, option: str | None, meta: dict[str
 
 
 def _kernels(training: TrainingSetup, option: str | None, meta: dict[str, Any], ds_config: str | None,
-             assumptions: list[str]) -> TrainingSetup:
-    """How the element-wise kernels run (``--kernels``, else the config's ``zeroplan.kernels``, else fused)."""
+             tf: TrainingFile | None, assumptions: list[str]) -> TrainingSetup:
+    """How the element-wise kernels run: ``--kernels``, else what a training file implies (transformers'
+    code, fused by Liger or torch.compile or not), else the config's ``zeroplan.kernels``, else fused."""
     if option is not None and option not in KERNELS:
         raise InputError(f"--kernels {option!r} is unknown; expected one of {', '.join(KERNELS)}")
-    kernels = option if option is not None else meta.get("kernels", training.kernels)
-    if kernels == training.kernels:
+    if option is not None:
+        kernels, source = option, "--kernels"
+    elif tf is not None and tf.kernels is not None:
+        kernels, source = tf.kernels, tf.kernels_why
+    else:
+        kernels, source = meta.get("kernels", training.kernels), f"{ds_config}: {ZEROPLAN_KEY}.kernels"
+    if kernels == training.kernels and (tf is None or tf.kernels is None or option is not None):
         return training
-    source = "--kernels" if option is not None else f"{ds_config}: {ZEROPLAN_KEY}.kernels"
     assumptions.append(f"element-wise kernels: {kernels} (from {source})")
     return training.model_copy(update={"kernels": kernels})
 
@@ -360,7 +368,7 @@ def build_plan_inputs(
                                expandable_segments=expandable_segments, ds=ds, ds_config=ds_config,
                                assumptions=assumptions)
     training = _kernels(_activation_code(training, activations, meta, ds, ds_config, assumptions), kernels, meta,
-                        ds_config, assumptions)
+                        ds_config, tf, assumptions)
 
     stages = _stages(stage_list, ds)
     assumptions.extend(unused_offload_notes(stages, offload_optimizer, offload_param))

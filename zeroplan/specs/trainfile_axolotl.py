@@ -9,7 +9,7 @@ from pathlib import Path
 from zeroplan._util import InputError
 from zeroplan.specs.finetune import ALL_LINEAR, FineTune, LoraSpec, QuantSpec
 from zeroplan.specs.trainfile_hf_args import _HF_OPTIM
-from zeroplan.specs.trainfile_reader import TrainingFile, _ds_path, _load_mapping, _precision, _Reader, _storage
+from zeroplan.specs.trainfile_reader import TrainingFile, _ds_path, _kernels, _load_mapping, _precision, _Reader, _storage
 
 def read_axolotl(path: str | Path) -> TrainingFile:
     where = str(path)
@@ -47,6 +47,9 @@ def read_axolotl(path: str | Path) -> TrainingFile:
         out.finetune = FineTune(method="qlora" if quant is not None else "lora", lora=lora, quant=quant)
     out.optimizer = _axolotl_optimizer(r)
     out.ds_config = _ds_path(r, "deepspeed", Path(where).resolve().parent)
+    # axolotl's Liger plugin switches (integrations/liger/args.py) and torch_compile
+    _kernels(r, out, ("liger_rms_norm", "liger_glu_activation", "liger_rope", "liger_layer_norm",
+                      "liger_fused_linear_cross_entropy", "torch_compile"))
     r.refuse_typos()
     out.ignored_keys = r.ignored()
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zeroplan._util import InputError
-from zeroplan.specs.trainfile_reader import TrainingFile, _ds_path, _load_mapping, _precision, _Reader
+from zeroplan.specs.trainfile_reader import TrainingFile, _ds_path, _kernels, _load_mapping, _precision, _Reader
 
 _HF_OPTIM = {  # TrainingArguments.optim -> zeroplan optimizer preset (state bytes)
     "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_apex_fused": "adamw",
@@ -49,6 +49,8 @@ def finish_trainer_keys(r: _Reader, out: TrainingFile, where: str) -> TrainingFi
             raise InputError(f"{where}: optim = {optim!r} is not planned; expected one of {', '.join(sorted(_HF_OPTIM))}")
         out.optimizer = _HF_OPTIM[optim]
     out.ds_config = _ds_path(r, "deepspeed", Path(where).resolve().parent)
+    # TrainingArguments.use_liger_kernel / torch_compile; LLaMA-Factory's own enable_liger_kernel
+    _kernels(r, out, ("use_liger_kernel", "torch_compile") + (("enable_liger_kernel",) if out.format == "llama-factory" else ()))
     r.refuse_typos()
     out.ignored_keys = r.ignored()
     return out

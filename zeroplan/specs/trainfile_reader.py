@@ -38,6 +38,8 @@ class TrainingFile(BaseModel):
     checkpointing: str | None = None
     optimizer: str | None = None
     ds_config: str | dict | None = None  # a path (resolved against the file's folder) or an inline config
+    kernels: str | None = None  # how transformers' code runs its element-wise kernels (specs/training.py KERNELS)
+    kernels_why: str = ""
     finetune: FineTune | None = None
     ignored_keys: list[str] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
@@ -166,6 +168,16 @@ def _precision(r: _Reader, bf16_key: str = "bf16", fp16_key: str = "fp16") -> st
     if bf == "auto":  # axolotl: bf16: auto = bf16 where the GPU supports it
         return "bf16"
     return None
+
+
+def _kernels(r: _Reader, out: TrainingFile, fusing_keys: tuple[str, ...]) -> None:
+    """These formats run transformers' modeling code: op by op ("unfused", core/elementwise.py) unless a
+    key switches on Liger's fused kernels or torch.compile (counted as "fused", also where Liger fuses only
+    some of the ops)."""
+    on = [k for k in fusing_keys if r.bool(k)]
+    out.kernels = "fused" if on else "unfused"
+    out.kernels_why = (f"{r.where}: {', '.join(on)}" if on else f"{r.where}: transformers' code, none of "
+                       f"{', '.join(fusing_keys)} switched on")
 
 
 def _storage(precision: str | None) -> str:

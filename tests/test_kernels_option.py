@@ -146,3 +146,17 @@ def test_an_accelerate_config_says_nothing_about_the_model_code(tmp_path):
     f = tmp_path / "accelerate.yaml"
     f.write_text("distributed_type: DEEPSPEED\nnum_processes: 8\nmixed_precision: bf16\n")
     assert build_plan_inputs(model="llama-2-7b", accelerate_config=str(f)).training.kernels == "fused"
+
+
+def test_recommend_says_what_fusing_would_save():
+    kw = dict(model="llama-2-7b", hardware="dgx-h100", gpus=8, precision="bf16", seq_len=4096)
+    unfused = zeroplan.recommend(**kw, kernels="unfused")
+    said = [e for e in unfused.explanation if e.startswith("Element-wise kernels run op by op (unfused")]
+    assert len(said) == 1 and "Liger's kernels or torch.compile fuse them" in said[0]
+    # the saving it quotes is the fused plan's: 42·h against transformers' 239·h per token and layer
+    t = unfused.plan.time
+    fused_plan = zeroplan.estimate(**kw, stage=unfused.chosen.stage, micro_batch=unfused.chosen.micro_batch,
+                                   checkpointing=unfused.chosen.checkpointing).stages[0].time
+    assert f"fuse them to about {fused_plan.compute.elementwise_time_s * 1e3:.1f} ms" in said[0]
+    assert t.compute.elementwise_time_s > 4 * fused_plan.compute.elementwise_time_s
+    assert not any(e.startswith("Element-wise kernels") for e in zeroplan.recommend(**kw).explanation)

@@ -16,6 +16,7 @@ from zeroplan.advice.reasons import (
     Quantity, Reason, join_reasons, qbytes, qcount, qelements, qfraction, qseconds, qtokens, reason,
 )
 from zeroplan.advice.recommend_models import NOISE, OFFLOAD_RATIO, Recommendation
+from zeroplan.core.elementwise import elementwise_traffic
 
 __all__ = ["explain"]
 
@@ -80,6 +81,7 @@ def explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int | 
             share=_F(t.comm_share), step=_S(t.step_time_s), compute=_S(t.compute_time_s), mfu=_F(t.mfu),
             terms=_compute_terms(t), pcie=_S(t.pcie_time_s or 0.0), cpu_opt=_S(t.cpu_optimizer_time_s or 0.0),
             nvme=_S(t.nvme_time_s or 0.0)))
+        _explain_kernels(rec, inp, ex)
         if c.stage == 3 and rec.cluster.nodes > 1 and is_ethernet(hw.inter_node):
             warn.append(reason(
                 "ZeRO-3 across {nodes} nodes over Ethernet ({link}, {bw} per GPU): parameter all-gathers in forward "
@@ -199,3 +201,24 @@ def _compute_terms(t: Any) -> str:
         return t.mfu_source
     return (f"{c.generation}: matmuls at {c.gemm_fraction:.2f} of peak × shape {c.shape_factor:.2f}, attention "
             f"{c.attention_share:.0%} of the FLOPs at {c.attention_fraction:.2f}")
+
+
+def _explain_kernels(rec: Recommendation, inp: Any, ex: list[Reason]) -> None:
+    """What transformers' code run op by op costs the chosen step, and what fusing it would save
+    (core/elementwise.py: the same bytes at the same HBM rate, counted for fused kernels)."""
+    t, c = rec.plan.time, rec.chosen
+    training = inp.training.model_copy(update={"checkpointing": c.checkpointing, "micro_batch": c.micro_batch})
+    if training.kernels == "fused" or t.compute is None or t.mfu_source.startswith("--mfu"):
+        return
+
+    def streamed(kernels: str) -> float:
+        e = elementwise_traffic(inp.spec, training.model_copy(update={"kernels": kernels}))
+        return e.forward_bytes + e.backward_bytes + (e.recompute_bytes if training.checkpointing == "full" else 0.0)
+
+    ew = t.compute.elementwise_time_s
+    fused = ew * streamed("fused") / streamed(training.kernels)
+    ex.append(reason(
+        "Element-wise kernels run op by op ({kernels}: transformers' modeling code): norms, activation functions, "
+        "rotary and the loss stream {ew} of the {step} step through HBM; Liger's kernels or torch.compile fuse "
+        "them to about {fused}, {saving} less per step (--kernels fused).",
+        kernels=training.kernels, ew=_S(ew), step=_S(t.step_time_s), fused=_S(fused), saving=_S(ew - fused)))

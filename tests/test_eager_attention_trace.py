@@ -19,18 +19,14 @@ llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
+from aten_trace import aliases_an_input as _aliases_an_input  # noqa: E402
+
 from zeroplan.core.compute import eager_score_bytes  # noqa: E402
 from zeroplan.specs.training import get_precision  # noqa: E402
 
 B, HEADS, S, D = 1, 4, 32, 8
 SCORES = B * HEADS * S * S
 
-
-def _aliases_an_input(out, inputs) -> bool:
-    """True when every output shares storage with an input (views, and _unsafe_view, which is not tagged one)."""
-    ptrs = {t.untyped_storage().data_ptr() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    return bool(outs) and all(t.untyped_storage().data_ptr() in ptrs for t in outs)
 
 
 class _ScoreTraffic(TorchDispatchMode):

@@ -27,6 +27,8 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
+from aten_trace import aliases_an_input as _aliases_an_input  # noqa: E402
+
 from zeroplan.core import elementwise  # noqa: E402
 from zeroplan.specs.model import spec_from_config  # noqa: E402
 from zeroplan.specs.training import TrainingSetup, get_precision  # noqa: E402
@@ -60,11 +62,6 @@ def _classify(t) -> str:
         return "logits" if V in shp else "act"
     return "pos" if S in shp else "param"
 
-
-def _aliases_an_input(out, inputs) -> bool:
-    ptrs = {t.untyped_storage().data_ptr() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    return bool(outs) and all(t.untyped_storage().data_ptr() in ptrs for t in outs)
 
 
 class _Counter(TorchDispatchMode):

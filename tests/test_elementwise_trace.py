@@ -271,7 +271,7 @@ def _zeroplan_layer(cfg: dict, attn: str, precision: str, kernels: str) -> tuple
     tr = TrainingSetup(precision=get_precision(precision), micro_batch=B, seq_len=S, kernels=kernels,
                        flash_attention=attn == "sdpa")
     key, _ = elementwise._mode(tr)
-    return elementwise._layer_bytes(spec, tr, elementwise.UNFUSED[key])
+    return elementwise._layer_bytes(spec, tr, key)
 
 
 CASES = [(name, attn, prec, kern) for name in ("gpt2", "llama") for attn in ("eager", "sdpa")

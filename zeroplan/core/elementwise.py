@@ -136,8 +136,15 @@ def _activation_name(model: Any) -> str:
     return str(name or _DEFAULT_ACTIVATION.get(model.model_type, "gelu"))
 
 
-def _layer_bytes(model: Any, training: TrainingSetup, c: dict[str, _Pair]) -> _Pair:
-    """(forward, backward) bytes per token of one decoder layer."""
+def _stream_bytes(key: str, training: TrainingSetup) -> int:
+    """Bytes per element of the residual stream, the rotary tables and the weights: the training dtype's
+    when the module runs in it, fp32 under autocast (fp32 weights and embeddings)."""
+    return training.precision.activation_bytes if key != "amp" else 4
+
+
+def _layer_bytes(model: Any, training: TrainingSetup, key: str) -> _Pair:
+    """(forward, backward) bytes per token of one decoder layer; ``key``: the ``UNFUSED`` mode."""
+    c = UNFUSED[key]
     h, mt = model.hidden_size, model.model_type
     ffn = model.intermediate_size * max(1, model.experts_per_token if model.num_experts else 1)
     norm = "layernorm" if mt in _LAYERNORM else "rmsnorm"
@@ -149,7 +156,7 @@ def _layer_bytes(model: Any, training: TrainingSetup, c: dict[str, _Pair]) -> _P
     q, k = model.num_attention_heads * model.head_dim, model.num_key_value_heads * model.head_dim
     if mt in _GPT2_LAYOUT:  # c_attn's split and the merge; biases on c_attn, c_proj, c_fc, c_proj
         terms += [(f"glue_gpt2_{impl}", h), ("bias_grad", 5 * h + ffn), ("cast_in", 2 * h)]
-        if act == "gelu_new" and c is UNFUSED["amp"]:
+        if act == "gelu_new" and key == "amp":
             terms.append(("cast_in", ffn))  # the fp32 chain's output cast for c_proj
     else:  # q, k, v read one normed input and gate, up another: 3 gradient sums; autocast casts 5 inputs
         terms += [("fork", 3 * h), ("cast_in", 5 * h)]
@@ -160,7 +167,7 @@ def _layer_bytes(model: Any, training: TrainingSetup, c: dict[str, _Pair]) -> _P
         rot = int(model.head_dim * float((getattr(model, "hf_config", None) or {}).get("partial_rotary_factor") or 1.0))
         rot_elems = (model.num_attention_heads + model.num_key_value_heads) * rot
         # plus the cos/sin tables (1, s, rot) read 4 times each way per micro-batch: 4·bytes·rot per token / b
-        table = 4 * (4 if c is not UNFUSED["half2"] else training.precision.activation_bytes) * rot / training.micro_batch
+        table = 4 * _stream_bytes(key, training) * rot / training.micro_batch
         fwd += c["rope"][0] * rot_elems + table
         bwd += c["rope"][1] * rot_elems + table
     return fwd, bwd
@@ -169,7 +176,7 @@ def _layer_bytes(model: Any, training: TrainingSetup, c: dict[str, _Pair]) -> _P
 def _unfused(model: Any, training: TrainingSetup) -> ElementwiseTraffic:
     key, words = _mode(training)
     c = UNFUSED[key]
-    fwd_l, bwd_l = _layer_bytes(model, training, c)
+    fwd_l, bwd_l = _layer_bytes(model, training, key)
     L, h, V = model.num_layers, model.hidden_size, model.vocab_size
     norm = "layernorm" if model.model_type in _LAYERNORM else "rmsnorm"
     # outside the layers: the final norm, the loss over the logits, and per micro-step the embedding
@@ -177,9 +184,8 @@ def _unfused(model: Any, training: TrainingSetup) -> ElementwiseTraffic:
     fwd_out = c[norm][0] * h + c[f"{norm}_tok"][0] + c["logits"][0] * V
     bwd_out = c[norm][1] * h + c[f"{norm}_tok"][1] + c["logits"][1] * V
     tokens = training.micro_batch * training.seq_len
-    grad_bytes = 4 if key != "half2" else training.precision.activation_bytes
     per_step_fwd = AMP_PARAM_CAST_BYTES[0] * model.params if key == "amp" else 0.0
-    per_step_bwd = (AMP_PARAM_CAST_BYTES[1] * model.params if key == "amp" else 0.0) + grad_bytes * V * h
+    per_step_bwd = (AMP_PARAM_CAST_BYTES[1] * model.params if key == "amp" else 0.0) + _stream_bytes(key, training) * V * h
     return ElementwiseTraffic(
         forward_bytes=L * fwd_l + fwd_out + per_step_fwd / tokens,
         backward_bytes=L * bwd_l + bwd_out + per_step_bwd / tokens,

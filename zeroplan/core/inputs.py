@@ -237,13 +237,14 @@ def _kernels(training: TrainingSetup, option: str | None, meta: dict[str, Any], 
     code, fused by Liger or torch.compile or not), else the config's ``zeroplan.kernels``, else fused."""
     if option is not None and option not in KERNELS:
         raise InputError(f"--kernels {option!r} is unknown; expected one of {', '.join(KERNELS)}")
+    said = False  # a training file's choice is said even where it is the default: the file decided it
     if option is not None:
         kernels, source = option, "--kernels"
     elif tf is not None and tf.kernels is not None:
-        kernels, source = tf.kernels, tf.kernels_why
+        kernels, source, said = tf.kernels, tf.kernels_why, True
     else:
         kernels, source = meta.get("kernels", training.kernels), f"{ds_config}: {ZEROPLAN_KEY}.kernels"
-    if kernels == training.kernels and (tf is None or tf.kernels is None or option is not None):
+    if kernels == training.kernels and not said:
         return training
     assumptions.append(f"element-wise kernels: {kernels} (from {source})")
     return training.model_copy(update={"kernels": kernels})

@@ -40,17 +40,17 @@ def read_hf_args(path: str | Path) -> TrainingFile:
     return finish_trainer_keys(r, out, where)
 
 
-def finish_trainer_keys(r: _Reader, out: TrainingFile, where: str) -> TrainingFile:
+def finish_trainer_keys(r: _Reader, out: TrainingFile, where: str, fusing_keys: tuple[str, ...] = ()) -> TrainingFile:
     """The keys HF Trainer arguments and LLaMA-Factory's YAML share at the end of a read: ``optim``
-    (a preset), ``deepspeed`` (a path beside the file); then typos refused and the rest listed as ignored."""
+    (a preset), ``deepspeed`` (a path beside the file), the kernel switches (``fusing_keys``: the format's
+    own besides TrainingArguments'); then typos refused and the rest listed as ignored."""
     optim = r.str("optim")
     if optim is not None:
         if optim not in _HF_OPTIM:
             raise InputError(f"{where}: optim = {optim!r} is not planned; expected one of {', '.join(sorted(_HF_OPTIM))}")
         out.optimizer = _HF_OPTIM[optim]
     out.ds_config = _ds_path(r, "deepspeed", Path(where).resolve().parent)
-    # TrainingArguments.use_liger_kernel / torch_compile; LLaMA-Factory's own enable_liger_kernel
-    _kernels(r, out, ("use_liger_kernel", "torch_compile") + (("enable_liger_kernel",) if out.format == "llama-factory" else ()))
+    _kernels(r, out, ("use_liger_kernel", "torch_compile") + fusing_keys)  # TrainingArguments' switches
     r.refuse_typos()
     out.ignored_keys = r.ignored()
     return out

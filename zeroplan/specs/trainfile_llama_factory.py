@@ -51,4 +51,4 @@ def read_llama_factory(path: str | Path) -> TrainingFile:
         out.finetune = FineTune(method="full", trainable=(f"last:{k}",))
     else:
         out.finetune = FineTune()
-    return finish_trainer_keys(r, out, where)
+    return finish_trainer_keys(r, out, where, fusing_keys=("enable_liger_kernel",))

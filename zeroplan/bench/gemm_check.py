@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["layer_matmul_shapes", "measure_layer_gemms"]
+__all__ = ["layer_matmul_shapes", "measure_layer_gemms", "timer"]
 
 
 def layer_matmul_shapes(spec: Any) -> list[tuple[str, int, int]]:
@@ -32,7 +32,7 @@ def layer_matmul_shapes(spec: Any) -> list[tuple[str, int, int]]:
     return shapes + [("down_proj", ffn, h), ("lm_head", h, spec.vocab_size)]
 
 
-def _timer(device: str, torch: Any) -> Any:
+def timer(device: str, torch: Any) -> Any:
     """A function that runs ``fn`` ``iters`` times and returns the mean seconds: CUDA events on the
     GPU (the kernels' time, not the launches'), the wall clock on CPU."""
     def run(fn: Any, iters: int) -> float:
@@ -73,7 +73,7 @@ def measure_layer_gemms(device: str, spec: Any, *, seq_len: int, micro_batch: in
                                                           seq_len=seq_len), spec.hidden_size)
         predicted = rate / 1e12
         shape_note = f"; planned at {predicted:.4g} TFLOP/s ({hardware.gpu.name}, shape factor {shape:.3f})"
-    timed = _timer(device, torch)
+    timed = timer(device, torch)
     rows, total_flops, total_s = [], 0.0, 0.0
     for name, k, n in layer_matmul_shapes(spec):
         x = torch.randn(m, k, device=device, dtype=dtype)

@@ -20,6 +20,9 @@ otherwise; ``predicted`` None when the planner has no such figure):
   exactly what it would in an ``n``-rank job; compared with the planner at ``--gpus n``.
 - ``gemm`` (bench/gemm_check.py): one layer's matmuls and the LM head timed at their training
   shapes, TFLOP/s against the compute model's matmul rate on ``--hardware``.
+- ``compute`` (bench/compute_check.py): an HBM copy, one layer's attention core and the model's own
+  forward + backward (transformers, the validated layers at full width) timed against the compute
+  model's element-wise rate, attention time and step time (``kernels="unfused"``).
 - ``multi_gpu_checks`` (bench/gpu_multi.py): on one GPU a one-rank NCCL smoke test of the
   collective bench; with >= 2 GPUs, an NCCL collective sweep and α–β fit against the profile,
   and how much of an all-gather hides behind matmuls (``bench/overlap.py``) against the
@@ -48,7 +51,7 @@ __all__ = ["row", "measure_context", "measure_optimizer_temps", "measure_layer_a
 
 OPTIMIZER_IMPLS = ("foreach", "fused", "fused_adam")
 # every check run_validation knows, in the order it runs them (`zeroplan validate --checks`)
-CHECKS = ("context", "optimizer", "activations", "gemm", "engine", "deepspeed", "multi-gpu", "pcie", "cpu-adam")
+CHECKS = ("context", "optimizer", "activations", "gemm", "compute", "engine", "deepspeed", "multi-gpu", "pcie", "cpu-adam")
 
 
 # ---------------------------------------------------------------------- context
@@ -306,6 +309,7 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
                    hardware: Any = None, checks: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Every check on ``device``; returns {"environment", "inputs", "rows"}."""
     from zeroplan.bench.cpu_adam import validation_rows as cpu_adam_rows
+    from zeroplan.bench.compute_check import measure_compute
     from zeroplan.bench.gemm_check import measure_layer_gemms
     from zeroplan.bench.pcie_check import measure_pcie
     from zeroplan.bench.validate import _zero_config, predict, scaled_spec
@@ -338,6 +342,8 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
                                                          precision=precision),
         "gemm": lambda: measure_layer_gemms(device, spec, seq_len=seq_len, micro_batch=micro_batch,
                                             precision=precision, hardware=hardware),
+        "compute": lambda: measure_compute(device, spec, seq_len=seq_len, micro_batch=micro_batch,
+                                           precision=precision, hardware=hardware),
         "engine": lambda: measure_engine_peak(device, spec, _zero_config(2, None), precision=precision,
                                               micro_batch=micro_batch, seq_len=seq_len, n=1, plan=plan1),
         "deepspeed": lambda: measure_deepspeed_virtual(device, spec, n=gpus, stage=2, precision=precision,

@@ -1,0 +1,85 @@
+"""`zeroplan validate --checks compute` on the CPU: the rows exist, the model it times is the spec's
+own architecture, and each prediction is the compute model's figure for that work (the times
+themselves mean something on a GPU only, and are never asserted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+def _hw():
+    from zeroplan.specs.hardware import load_profile
+
+    return load_profile(str(REPO / "hardware_profiles" / "hgx-h200.toml"))
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b", "llama-3-8b", "gpt2"])
+def test_the_timed_model_is_the_specs_own_architecture(name):
+    import torch
+
+    from zeroplan.bench.compute_check import _build_model
+    from zeroplan.bench.validate import scaled_spec
+    from zeroplan.specs.model import load_model
+
+    spec = scaled_spec(load_model(name), layers=1, hidden=64)
+    model = _build_model(spec, "cpu", torch.float32)
+    # tied heads share one storage; the spec counts shared tensors once, as DeepSpeed does
+    assert sum(p.numel() for p in model.parameters()) == spec.params
+    assert model.training and model.config.use_cache is False
+
+
+def test_compute_rows_set_each_time_beside_the_compute_model():
+    from zeroplan.bench.compute_check import measure_compute
+    from zeroplan.bench.validate import scaled_spec
+    from zeroplan.core.compute import estimate_compute
+    from zeroplan.specs.model import load_model
+    from zeroplan.specs.training import PRECISIONS, TrainingSetup
+
+    hw = _hw()
+    spec = scaled_spec(load_model("llama-2-7b"), layers=1, hidden=64)
+    rows = measure_compute("cpu", spec, seq_len=16, micro_batch=2, precision="fp32", hardware=hw, iters=1,
+                           copy_bytes=1 << 16)
+    assert [r["check"] for r in rows] == ["compute"] * 4 and all(r["measured"] > 0 for r in rows)
+    copy, attention, step, step_ck = rows
+    assert copy["unit"] == "GB/s" and copy["predicted"] == pytest.approx(4800.0 * 0.8)  # H200 HBM3e × 0.8
+    assert copy["figure"] == "device copy of 65,536 bytes (read + write)"
+    # heads 4 × head_dim 16 at s = 16, b = 2: 3 passes × 4 · 64 · 16 FLOPs per token × 32 tokens, at the
+    # fp32 (TF32) peak × Hopper's attention fraction 0.36
+    flops = 3 * 4 * 64 * 16 * 32
+    assert attention["unit"] == "ms"
+    assert attention["predicted"] == pytest.approx(flops / (hw.gpu.peak_flops["fp32"] * 0.36) * 1e3)
+    for r, ck in ((step, "none"), (step_ck, "full")):
+        assert r["figure"].endswith(f"(1 layers, b=2, s=16, fp32, checkpointing {ck})")
+        setup = TrainingSetup(precision=PRECISIONS["fp32"], micro_batch=2, seq_len=16, checkpointing=ck,
+                              kernels="unfused")
+        assert r["predicted"] == pytest.approx(estimate_compute(spec, setup, hw).time_s * 1e3)
+        fused = estimate_compute(spec, setup.model_copy(update={"kernels": "fused"}), hw).time_s * 1e3
+        assert r["predicted"] > fused  # transformers' code runs op by op: the unfused count
+    assert step_ck["predicted"] > step["predicted"]
+
+
+def test_without_a_profile_nothing_is_predicted():
+    from zeroplan.bench.compute_check import measure_compute
+    from zeroplan.bench.validate import scaled_spec
+    from zeroplan.specs.model import load_model
+
+    spec = scaled_spec(load_model("gpt2"), layers=1, hidden=64)
+    rows = measure_compute("cpu", spec, seq_len=8, micro_batch=1, precision="fp32", iters=1, copy_bytes=1 << 12)
+    assert len(rows) == 4 and all(r["predicted"] is None and r["error"] is None for r in rows)
+
+
+def test_run_validation_runs_the_compute_check_after_gemm():
+    from zeroplan.bench import gpu_validate as gv
+
+    assert gv.CHECKS.index("compute") == gv.CHECKS.index("gemm") + 1
+    rep = gv.run_validation("cpu", model="llama-2-7b", layers=1, hidden=64, seq_len=8, hardware=_hw(),
+                            checks=("compute",))
+    assert [r["check"] for r in rep["rows"]] == ["compute"] * 4
+    assert all(r["predicted"] is not None for r in rep["rows"])

@@ -67,13 +67,27 @@ def measure_context(device: str, *, cuda: Any = None) -> list[dict[str, Any]]:
     free, total = cuda.mem_get_info(dev)
     ctx = int(total - free - cuda.memory_reserved(dev))
     a = torch.ones(256, 256, device="cuda")
+    held = cuda.memory_allocated(dev)
     (a @ a).sum().item()  # first GEMM: cuBLAS handle and workspace
     cuda.synchronize(dev)
     free2, _ = cuda.mem_get_info(dev)
     with_ws = int(total - free2 - cuda.memory_reserved(dev))
-    del a
+    after_fp32 = cuda.memory_allocated(dev) - held
+    b = a.to(torch.bfloat16)
+    bias = torch.ones(256, device="cuda", dtype=torch.bfloat16)
+    held = cuda.memory_allocated(dev)
+    torch.nn.functional.linear(b, b, bias).sum().item()  # bf16 with a bias: the cuBLASLt path
+    cuda.synchronize(dev)
+    after_lt = cuda.memory_allocated(dev) - held
+    del a, b, bias
+    # torch allocates cuBLAS/cuBLASLt workspaces through the caching allocator (CublasHandlePool.cpp
+    # getNewWorkspace), so they count in memory_allocated, not in the context outside it
     return [row("context", "CUDA context (used - reserved, before any kernel)", None, ctx),
             row("context", "context + cuBLAS workspace after the first GEMM", None, with_ws),
+            row("context", "allocated by the first fp32 GEMM and kept (cuBLAS workspace in the allocator)", None,
+                int(after_fp32)),
+            row("context", "allocated by the first bf16 linear with bias and kept (cuBLASLt workspace)", None,
+                int(after_lt)),
             row("context", "device total memory", None, int(total))]
 
 
@@ -306,8 +320,11 @@ def environment(device: str) -> dict[str, Any]:
 
 def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, precision: str = "bf16",
                    micro_batch: int = 1, seq_len: int = 512, layers: int = 2, hidden: int | None = None,
-                   hardware: Any = None, checks: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Every check on ``device``; returns {"environment", "inputs", "rows"}."""
+                   hardware: Any = None, checks: tuple[str, ...] | None = None,
+                   progress: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every check on ``device``; returns {"environment", "inputs", "rows"}. ``progress(check, report)``
+    is called before each check with the report so far (the command prints it and writes it, so a run
+    stopped part-way keeps what it measured)."""
     from zeroplan.bench.cpu_adam import validation_rows as cpu_adam_rows
     from zeroplan.bench.compute_check import measure_compute
     from zeroplan.bench.gemm_check import measure_layer_gemms
@@ -352,9 +369,17 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
         "pcie": lambda: measure_pcie(device, hardware),
         "cpu-adam": lambda: cpu_adam_rows(max(1, gpu_count()), hardware),
     }
+    report: dict[str, Any] = {
+        "environment": environment(device),
+        "inputs": {"model": model, "scaled": {"name": spec.name, "params": spec.params, "layers": spec.num_layers,
+                                              "hidden": spec.hidden_size},
+                   "gpus": gpus, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len},
+        "rows": rows}
     for name, fn in steps.items():
         if name not in want:
             continue
+        if progress is not None:
+            progress(name, report)
         try:
             rows += fn()
         except Exception as exc:  # noqa: BLE001 - one failing check (an OOM, a failed op build) keeps the rest
@@ -363,8 +388,4 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
             import torch
 
             torch.cuda.empty_cache()
-    return {"environment": environment(device),
-            "inputs": {"model": model, "scaled": {"name": spec.name, "params": spec.params, "layers": spec.num_layers,
-                                                  "hidden": spec.hidden_size},
-                       "gpus": gpus, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len},
-            "rows": rows}
+    return report

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 from typing import Optional
 
 import typer
 
 from zeroplan._util import InputError
 from zeroplan.bench.gpu_validate import CHECKS as _CHECKS  # torch-free at import: the list of checks
-from zeroplan.commands._common import console, handle_errors
+from zeroplan.commands._common import console, err_console, handle_errors
 
 __all__ = ["register", "cuda_status"]
 
@@ -70,9 +71,19 @@ def validate(
     from zeroplan.bench.gpu_validate import run_validation
     from zeroplan.bench.validate_report import write_validation
 
+    command = "zeroplan " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    started = time.monotonic()
+
+    def progress(check: str, partial: dict) -> None:
+        # the report so far is on disk before each check: a run stopped part-way keeps what it measured
+        write_validation({**partial, "command": command, "incomplete": f"stopped before or during {check}"}, output)
+        err_console().print(f"validate: {check} ({len(partial['rows'])} rows so far, "
+                            f"{time.monotonic() - started:.0f} s)", markup=False)
+
     report = run_validation("cuda", model=model, gpus=gpus, precision=precision, micro_batch=micro_batch,
-                            seq_len=seq_len, layers=layers, hidden=hidden, hardware=hw, checks=wanted)
-    report["command"] = "zeroplan " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+                            seq_len=seq_len, layers=layers, hidden=hidden, hardware=hw, checks=wanted,
+                            progress=progress)
+    report["command"] = command
     js, md = write_validation(report, output)
     console().print(f"wrote {js} and {md} ({len(report['rows'])} rows)")
 

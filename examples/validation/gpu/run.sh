@@ -7,7 +7,7 @@
 # first (the project's device machine has no package index).
 set -u
 out=${1:?usage: run.sh OUTDIR}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 exec > >(tee -a "$out/log.txt") 2>&1
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 step() { local limit=$1; shift; echo "== $(date -u +%H:%M:%S) $*"; timeout "$limit" "$@"; echo "== exit $?"; }
@@ -18,20 +18,25 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/zp . || exit 1
 export PYTHONPATH=/tmp/zp:${PYTHONPATH:-}
+cd /tmp  # python -m puts the working directory first on sys.path: run the installed copy, not the checkout
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
 python3 -c 'import sys, torch, transformers, deepspeed; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "deepspeed", deepspeed.__version__)'
 nvcc --version | tail -1
 
-zp() { python3 -m zeroplan "$@"; }
-# every check, at the default shapes (micro-batch 1, sequence 512, 2 layers at full width)
-step 330 zp validate --output "$out/llama-2-7b" --model llama-2-7b --gpus 8 --hardware hgx-h200
+zp="python3 -m zeroplan"  # a command timeout can run (not a shell function)
+# every check at the default shapes (micro-batch 1, sequence 512, 2 layers at full width), in parts
+# with their own limits: DeepSpeed's FusedAdam and cpu_adam ops are built on first use
+v7="--model llama-2-7b --gpus 8 --hardware hgx-h200"
+step 200 $zp validate --output "$out/llama-2-7b" $v7 --checks context,optimizer,activations,gemm,compute,engine
+step 150 $zp validate --output "$out/llama-2-7b-deepspeed" $v7 --checks deepspeed
+step 90 $zp validate --output "$out/llama-2-7b-links" $v7 --checks multi-gpu,pcie
 # the compute model at training shapes: isolated GEMMs, attention, the model's own step
-for shape in "llama-2-7b 1 2048" "llama-2-7b 4 4096" "llama-3-8b 2 4096" "llama-2-13b 1 4096" "gpt2 8 1024"; do
+for shape in "llama-2-7b 1 2048" "llama-2-7b 4 4096" "llama-3-8b 2 4096" "llama-2-13b 1 4096" "gpt2 8 1024" \
+             "llama-2-7b 1 8192" "llama-2-7b 16 512"; do
   set -- $shape
-  step 60 zp validate --output "$out/compute-$1-b$2-s$3" --model "$1" --micro-batch "$2" --seq-len "$3" \
+  [ -e "$out/compute-$1-b$2-s$3/validation.json" ] && continue
+  step 60 $zp validate --output "$out/compute-$1-b$2-s$3" --model "$1" --micro-batch "$2" --seq-len "$3" \
     --layers 4 --hardware hgx-h200 --checks gemm,compute,activations
 done
-# the bundled engine on CUDA with NCCL (one rank): CUDA meter, CUDA-event timing
-step 120 zp bench zero --model llama-2-7b --nproc 1 --stage 3 --precision bf16 --hidden 1024 --layers 2 \
-  --hardware hgx-h200 --output "$out/bench-zero.json"
+step 150 $zp validate --output "$out/llama-2-7b-cpu-adam" $v7 --checks cpu-adam

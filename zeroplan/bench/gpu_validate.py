@@ -50,8 +50,12 @@ __all__ = ["row", "measure_context", "measure_optimizer_temps", "measure_layer_a
            "OPTIMIZER_IMPLS", "CHECKS"]
 
 OPTIMIZER_IMPLS = ("foreach", "fused", "fused_adam")
-# every check run_validation knows, in the order it runs them (`zeroplan validate --checks`)
-CHECKS = ("context", "optimizer", "activations", "gemm", "compute", "engine", "deepspeed", "multi-gpu", "pcie", "cpu-adam")
+# every check run_validation knows, in the order it runs them (`zeroplan validate --checks`). The two
+# that fork ranks come first: a child forked after its parent initialised CUDA cannot use CUDA ("Cannot
+# re-initialize CUDA in forked subprocess", seen on an H200 when they ran last), and every other check
+# initialises it in this process.
+CHECKS = ("multi-gpu", "cpu-adam", "context", "optimizer", "activations", "gemm", "compute", "engine", "deepspeed",
+          "pcie")
 
 
 # ---------------------------------------------------------------------- context
@@ -92,6 +96,21 @@ def measure_context(device: str, *, cuda: Any = None) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- optimizer
+def op_build_failure(exc: BaseException) -> str:
+    """Why a DeepSpeed op failed, with the fix where it is known: DeepSpeed 0.19.8's JIT builder
+    (``CUDAOpBuilder.compute_capability_args``) reads every ``TORCH_CUDA_ARCH_LIST`` entry as
+    numbers, so an arch-specific entry such as ``9.0a`` stops it with ``int('0a')``."""
+    import os
+
+    text = f"{type(exc).__name__}: {exc}"
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    suffixed = [a for a in arch.replace(";", " ").split() if a.split("+")[0][-1:].isalpha()]
+    if "invalid literal for int()" in text and suffixed:
+        text += (f" (TORCH_CUDA_ARCH_LIST={arch!r}: DeepSpeed's JIT builder cannot read the arch suffix of "
+                 f"{', '.join(suffixed)}; set it without one, e.g. TORCH_CUDA_ARCH_LIST=9.0)")
+    return text[:500]
+
+
 def _make_optimizer(impl: str, params: list, torch: Any) -> Any:
     if impl == "foreach":
         return torch.optim.AdamW(params, lr=1e-3, foreach=True, fused=False)
@@ -133,7 +152,7 @@ def measure_optimizer_temps(device: str, numel: int = 1 << 22,
                     opt.step()
                 extra = tracker.phase_peaks().get("forward", {}).get("peak", 0)
         except Exception as exc:  # noqa: BLE001 - an unavailable implementation is a skipped row
-            out.append(_skip(f"optimizer {impl}", f"{type(exc).__name__}: {exc}"[:300]))
+            out.append(_skip(f"optimizer {impl}", op_build_failure(exc)))
             continue
         pred = predicted_per_element if impl == "foreach" else (0.0 if predicted_per_element is not None else None)
         out.append(row(f"optimizer {impl}", "step temporaries per element", pred, extra / numel,
@@ -217,13 +236,12 @@ def measure_engine_peak(device: str, spec: Any, zero: Any, *, precision: str, mi
         eng.close()
     peaks = meter.phase_peaks()
     phase, top = max(peaks.items(), key=lambda kv: kv[1]["peak"])
-    rows = [row("engine", f"peak allocated ({phase}), stage {zero.stage}, N={n}",
-                getattr(getattr(plan, "memory", None), "peak", None), top["peak"],
-                note=f"bundled engine, mimic {eng.mimic}")]
+    mem = getattr(plan, "memory", None)
+    rows = [row("engine", f"peak allocated ({phase}), stage {zero.stage}, N={n}", getattr(mem, "allocated", None),
+                top["peak"], note=f"bundled engine, mimic {eng.mimic}")]
     if "reserved_peak" in top:
-        rows.append(row("engine", f"peak reserved ({phase}) / allocated", None,
-                        top["reserved_peak"] / top["peak"] if top["peak"] else None, unit="ratio",
-                        note="max_memory_reserved / max_memory_allocated in the peak phase"))
+        rows.append(row("engine", f"peak reserved ({phase}), stage {zero.stage}, N={n}", getattr(mem, "reserved", None),
+                        top["reserved_peak"], note="max_memory_reserved in the peak phase"))
     return rows
 
 
@@ -282,11 +300,11 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
         rows = [row("deepspeed", f"rank 0 of {n}: params + optimizer states (stage {stage}, {precision})",
                     pred_states, meas_states,
                     note=f"real DeepSpeed {deepspeed.__version__} on the fake process group, {device}")]
-        if device == "cuda":
+        if device == "cuda":  # the plan's allocated and reserved, not its peak (which adds context and NCCL)
             torch.cuda.synchronize()
-            rows.append(row("deepspeed", f"rank 0 of {n}: peak allocated", getattr(mem, "peak", None),
+            rows.append(row("deepspeed", f"rank 0 of {n}: peak allocated (stage {stage})", getattr(mem, "allocated", None),
                             int(torch.cuda.max_memory_allocated())))
-            rows.append(row("deepspeed", f"rank 0 of {n}: peak reserved", getattr(mem, "reserved", None),
+            rows.append(row("deepspeed", f"rank 0 of {n}: peak reserved (stage {stage})", getattr(mem, "reserved", None),
                             int(torch.cuda.max_memory_reserved())))
         if hasattr(engine, "destroy"):
             engine.destroy()
@@ -298,6 +316,24 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _deepspeed_stages(device: str, spec: Any, *, n: int, precision: str, micro_batch: int,
+                      seq_len: int) -> list[dict[str, Any]]:
+    """Real DeepSpeed as rank 0 of ``n`` at stage 2 and stage 3, each against the plan for it; a failed
+    stage is a row of its own."""
+    from zeroplan.bench.validate import _zero_config, predict
+
+    rows: list[dict[str, Any]] = []
+    for stage in (2, 3):
+        plan = predict(spec, _zero_config(stage, None), precision=precision, micro_batch=micro_batch,
+                       seq_len=seq_len, grad_accum=1, n=n)
+        try:
+            rows += measure_deepspeed_virtual(device, spec, n=n, stage=stage, precision=precision,
+                                              micro_batch=micro_batch, seq_len=seq_len, plan=plan)
+        except Exception as exc:  # noqa: BLE001 - the other stage's rows stay
+            rows.append(row("deepspeed", f"stage {stage} failed", None, None, unit="", note=op_build_failure(exc)))
+    return rows
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -338,8 +374,6 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
     rows: list[dict[str, Any]] = []
     plan1 = predict(spec, _zero_config(2, None), precision=precision, micro_batch=micro_batch, seq_len=seq_len,
                     grad_accum=1, n=1)
-    planN = predict(spec, _zero_config(2, None), precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                    grad_accum=1, n=gpus)
     # the planner's foreach AdamW temporaries per element (core/memory_states.optimizer_temp_bytes)
     from zeroplan.core.memory_states import optimizer_temp_bytes
     from zeroplan.specs.training import TrainingSetup
@@ -347,10 +381,10 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
     group = 1 << 22
     per_el = optimizer_temp_bytes(TrainingSetup(optimizer_impl="torch-foreach"), group, group) / group
 
-    def gpu_count() -> int:
-        import torch
+    def gpu_count() -> int:  # through NVML: torch.cuda would initialise CUDA before the ranks fork
+        from zeroplan.runtime.gpus import visible_gpu_count
 
-        return torch.cuda.device_count() if device == "cuda" else 0
+        return visible_gpu_count() if device == "cuda" else 0
 
     steps: dict[str, Callable[[], list[dict[str, Any]]]] = {
         "context": lambda: measure_context(device),
@@ -363,19 +397,20 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
                                            precision=precision, hardware=hardware),
         "engine": lambda: measure_engine_peak(device, spec, _zero_config(2, None), precision=precision,
                                               micro_batch=micro_batch, seq_len=seq_len, n=1, plan=plan1),
-        "deepspeed": lambda: measure_deepspeed_virtual(device, spec, n=gpus, stage=2, precision=precision,
-                                                       micro_batch=micro_batch, seq_len=seq_len, plan=planN),
+        "deepspeed": lambda: _deepspeed_stages(device, spec, n=gpus, precision=precision, micro_batch=micro_batch,
+                                               seq_len=seq_len),
         "multi-gpu": lambda: multi_gpu_checks(gpu_count(), hardware),
         "pcie": lambda: measure_pcie(device, hardware),
         "cpu-adam": lambda: cpu_adam_rows(max(1, gpu_count()), hardware),
     }
     report: dict[str, Any] = {
-        "environment": environment(device),
+        "environment": {"device": device},  # the rest at the end: reading the GPU's properties initialises CUDA
         "inputs": {"model": model, "scaled": {"name": spec.name, "params": spec.params, "layers": spec.num_layers,
                                               "hidden": spec.hidden_size},
                    "gpus": gpus, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len},
         "rows": rows}
-    for name, fn in steps.items():
+    for name in CHECKS:  # CHECKS' order: the checks that fork ranks before CUDA starts here
+        fn = steps[name]
         if name not in want:
             continue
         if progress is not None:
@@ -383,9 +418,10 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
         try:
             rows += fn()
         except Exception as exc:  # noqa: BLE001 - one failing check (an OOM, a failed op build) keeps the rest
-            rows.append(row(name, "failed", None, None, unit="", note=f"{type(exc).__name__}: {exc}"[:500]))
+            rows.append(row(name, "failed", None, None, unit="", note=op_build_failure(exc)))
         if device == "cuda":
             import torch
 
             torch.cuda.empty_cache()
+    report["environment"] = environment(device)
     return report

@@ -22,12 +22,18 @@ __all__ = ["register", "cuda_status"]
 
 def cuda_status() -> tuple[bool, str]:
     """(usable, reason): a CUDA device torch can use, else why not."""
+    import os
+
     import torch
 
+    # NVML, not the CUDA runtime: a runtime probe here would break the ranks validate forks later
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     if not torch.cuda.is_available():
         return False, (f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA build "
                        f"{torch.version.cuda or 'none'})")
-    return True, f"{torch.cuda.device_count()} device(s)"
+    from zeroplan.runtime.gpus import visible_gpu_count
+
+    return True, f"{visible_gpu_count()} device(s)"
 
 
 @handle_errors

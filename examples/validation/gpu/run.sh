@@ -9,7 +9,8 @@ set -u
 out=${1:?usage: run.sh OUTDIR}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 exec > >(tee -a "$out/log.txt") 2>&1
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+# DeepSpeed 0.19.8's JIT builder cannot read an arch suffix (the machine's image sets 9.0a): plain 9.0
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 step() { local limit=$1; shift; echo "== $(date -u +%H:%M:%S) $*"; timeout "$limit" "$@"; echo "== exit $?"; }
 
 if [ -n "${WHEELS:-}" ]; then
@@ -28,9 +29,9 @@ zp="python3 -m zeroplan"  # a command timeout can run (not a shell function)
 # every check at the default shapes (micro-batch 1, sequence 512, 2 layers at full width), in parts
 # with their own limits: DeepSpeed's FusedAdam and cpu_adam ops are built on first use
 v7="--model llama-2-7b --gpus 8 --hardware hgx-h200"
-step 200 $zp validate --output "$out/llama-2-7b" $v7 --checks context,optimizer,activations,gemm,compute,engine
+step 150 $zp validate --output "$out/llama-2-7b-forked" $v7 --checks multi-gpu,cpu-adam
+step 200 $zp validate --output "$out/llama-2-7b" $v7 --checks context,optimizer,activations,gemm,compute,engine,pcie
 step 150 $zp validate --output "$out/llama-2-7b-deepspeed" $v7 --checks deepspeed
-step 90 $zp validate --output "$out/llama-2-7b-links" $v7 --checks multi-gpu,pcie
 # the compute model at training shapes: isolated GEMMs, attention, the model's own step
 for shape in "llama-2-7b 1 2048" "llama-2-7b 4 4096" "llama-3-8b 2 4096" "llama-2-13b 1 4096" "gpt2 8 1024" \
              "llama-2-7b 1 8192" "llama-2-7b 16 512"; do
@@ -39,4 +40,5 @@ for shape in "llama-2-7b 1 2048" "llama-2-7b 4 4096" "llama-3-8b 2 4096" "llama-
   step 60 $zp validate --output "$out/compute-$1-b$2-s$3" --model "$1" --micro-batch "$2" --seq-len "$3" \
     --layers 4 --hardware hgx-h200 --checks gemm,compute,activations
 done
-step 150 $zp validate --output "$out/llama-2-7b-cpu-adam" $v7 --checks cpu-adam
+# and every check in one process, in validate's own order
+step 300 $zp validate --output "$out/llama-2-7b-all" $v7

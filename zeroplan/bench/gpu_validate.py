@@ -267,6 +267,13 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
     _, FakeStore = _private_apis()
     if dist.is_initialized():
         return [_skip("deepspeed", "torch.distributed is already initialised in this process")]
+    from deepspeed.utils import groups
+
+    # DeepSpeed caches its groups in module globals (utils/groups.py: _WORLD_GROUP, _DATA_PARALLEL_GROUP,
+    # ...); a second run after destroy_process_group would find the dead ones ("Group ... is not
+    # registered"), so they go back to what they were before this run
+    cached = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(groups).items()
+              if k.startswith("_") and k[1:2].isupper()}
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # DeepSpeed's launcher contract
     saved_env = {k: os.environ.get(k) for k in env}
@@ -311,6 +318,8 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
         return rows
     finally:
         dist.destroy_process_group()
+        for k, v in cached.items():
+            setattr(groups, k, v)
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)

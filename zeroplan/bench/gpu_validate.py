@@ -15,9 +15,10 @@ otherwise; ``predicted`` None when the planner has no such figure):
   parameters excluded) vs ``core.activations.layer_activation_bytes``.
 - ``measure_engine_peak``: the bundled engine (DeepSpeed-on-CUDA mimic) for one step on
   this device: allocated and reserved at the peak (reserved only on CUDA).
-- ``measure_deepspeed_virtual``: REAL DeepSpeed as rank 0 of a virtual ``n``-GPU job on
-  real tensors: torch's fake process group answers every collective, so rank 0 allocates
-  exactly what it would in an ``n``-rank job; compared with the planner at ``--gpus n``.
+- ``measure_deepspeed_virtual`` (bench/validate_deepspeed.py): REAL DeepSpeed as rank 0 of a
+  virtual ``n``-GPU job on real tensors, at stages 2 and 3: torch's fake process group answers every
+  collective, so rank 0 allocates exactly what it would in an ``n``-rank job; compared with the
+  planner at ``--gpus n``.
 - ``gemm`` (bench/gemm_check.py): one layer's matmuls and the LM head timed at their training
   shapes, TFLOP/s against the compute model's matmul rate on ``--hardware``.
 - ``compute`` (bench/compute_check.py): an HBM copy, one layer's attention core and the model's own
@@ -42,7 +43,8 @@ import platform
 from typing import Any, Callable
 
 from zeroplan.bench.gpu_multi import multi_gpu_checks
-from zeroplan.bench.validate_rows import row
+from zeroplan.bench.validate_deepspeed import deepspeed_stages, measure_deepspeed_virtual
+from zeroplan.bench.validate_rows import op_build_failure, row
 from zeroplan.bench.validate_rows import skip_row as _skip
 
 __all__ = ["row", "measure_context", "measure_optimizer_temps", "measure_layer_activations",
@@ -96,21 +98,6 @@ def measure_context(device: str, *, cuda: Any = None) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- optimizer
-def op_build_failure(exc: BaseException) -> str:
-    """Why a DeepSpeed op failed, with the fix where it is known: DeepSpeed 0.19.8's JIT builder
-    (``CUDAOpBuilder.compute_capability_args``) reads every ``TORCH_CUDA_ARCH_LIST`` entry as
-    numbers, so an arch-specific entry such as ``9.0a`` stops it with ``int('0a')``."""
-    import os
-
-    text = f"{type(exc).__name__}: {exc}"
-    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-    suffixed = [a for a in arch.replace(";", " ").split() if a.split("+")[0][-1:].isalpha()]
-    if "invalid literal for int()" in text and suffixed:
-        text += (f" (TORCH_CUDA_ARCH_LIST={arch!r}: DeepSpeed's JIT builder cannot read the arch suffix of "
-                 f"{', '.join(suffixed)}; set it without one, e.g. TORCH_CUDA_ARCH_LIST=9.0)")
-    return text[:500]
-
-
 def _make_optimizer(impl: str, params: list, torch: Any) -> Any:
     if impl == "foreach":
         return torch.optim.AdamW(params, lr=1e-3, foreach=True, fused=False)
@@ -245,106 +232,6 @@ def measure_engine_peak(device: str, spec: Any, zero: Any, *, precision: str, mi
     return rows
 
 
-# ---------------------------------------------------------------------- DeepSpeed, virtual N
-def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, precision: str, micro_batch: int,
-                              seq_len: int, plan: Any = None, steps: int = 3) -> list[dict[str, Any]]:
-    """REAL DeepSpeed as rank 0 of ``n`` ranks on the fake process group (needs a process with
-    no torch.distributed group yet; ``zeroplan validate`` is one)."""
-    try:
-        import deepspeed
-    except Exception as exc:  # noqa: BLE001
-        return [_skip("deepspeed", f"DeepSpeed is not importable: {exc}"[:300])]
-    import torch
-    import torch.distributed as dist
-
-    from zeroplan.bench.deepspeed_engine import (_collect_storages, _disable_shm_comm_op, _memory_by_category,
-                                                  make_ds_config)
-    from zeroplan.runtime.model import build_model
-    from zeroplan.runtime.simulate import _private_apis
-
-    import os
-
-    _, FakeStore = _private_apis()
-    if dist.is_initialized():
-        return [_skip("deepspeed", "torch.distributed is already initialised in this process")]
-    from deepspeed.utils import groups
-
-    # DeepSpeed caches its groups in module globals (utils/groups.py: _WORLD_GROUP, _DATA_PARALLEL_GROUP,
-    # ...); a second run after destroy_process_group would find the dead ones ("Group ... is not
-    # registered"), so they go back to what they were before this run
-    cached = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(groups).items()
-              if k.startswith("_") and k[1:2].isupper()}
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # DeepSpeed's launcher contract
-    saved_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    _disable_shm_comm_op()
-    dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
-    try:
-        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
-        cfg = make_ds_config(stage=stage, precision=precision, micro_batch=micro_batch, grad_accum=1,
-                             comms_logger=False)
-        if device == "cuda":
-            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}  # FusedAdam, as users run it
-            opt = None
-        model = build_model(spec, "fp32", "cpu", seed=0)
-        if device != "cuda":
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-        dev = engine.device
-        for s in range(steps):
-            if s == steps - 1 and device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len)).to(dev)
-            engine.backward(engine(ids))
-            engine.step()
-        states = _memory_by_category(_collect_storages(engine))
-        mem = getattr(plan, "memory", None)
-        # after the step DeepSpeed has freed the gradient partition: compare what persists
-        pred_states = None if mem is None else mem.params + mem.optimizer_states
-        meas_states = sum(states.get(c, 0) for c in ("params", "optimizer_states"))
-        rows = [row("deepspeed", f"rank 0 of {n}: params + optimizer states (stage {stage}, {precision})",
-                    pred_states, meas_states,
-                    note=f"real DeepSpeed {deepspeed.__version__} on the fake process group, {device}")]
-        if device == "cuda":  # the plan's allocated and reserved, not its peak (which adds context and NCCL)
-            torch.cuda.synchronize()
-            rows.append(row("deepspeed", f"rank 0 of {n}: peak allocated (stage {stage})", getattr(mem, "allocated", None),
-                            int(torch.cuda.max_memory_allocated())))
-            rows.append(row("deepspeed", f"rank 0 of {n}: peak reserved (stage {stage})", getattr(mem, "reserved", None),
-                            int(torch.cuda.max_memory_reserved())))
-        if hasattr(engine, "destroy"):
-            engine.destroy()
-        return rows
-    finally:
-        dist.destroy_process_group()
-        for k, v in cached.items():
-            setattr(groups, k, v)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _deepspeed_stages(device: str, spec: Any, *, n: int, precision: str, micro_batch: int,
-                      seq_len: int) -> list[dict[str, Any]]:
-    """Real DeepSpeed as rank 0 of ``n`` at stage 2 and stage 3, each against the plan for it; a failed
-    stage is a row of its own."""
-    from zeroplan.bench.validate import _zero_config, predict
-
-    rows: list[dict[str, Any]] = []
-    for stage in (2, 3):
-        plan = predict(spec, _zero_config(stage, None), precision=precision, micro_batch=micro_batch,
-                       seq_len=seq_len, grad_accum=1, n=n)
-        try:
-            rows += measure_deepspeed_virtual(device, spec, n=n, stage=stage, precision=precision,
-                                              micro_batch=micro_batch, seq_len=seq_len, plan=plan)
-        except Exception as exc:  # noqa: BLE001 - the other stage's rows stay
-            rows.append(row("deepspeed", f"stage {stage} failed", None, None, unit="", note=op_build_failure(exc)))
-    return rows
-
-
 def environment(device: str) -> dict[str, Any]:
     """Versions and the device, for the report."""
     import torch
@@ -406,8 +293,8 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
                                            precision=precision, hardware=hardware),
         "engine": lambda: measure_engine_peak(device, spec, _zero_config(2, None), precision=precision,
                                               micro_batch=micro_batch, seq_len=seq_len, n=1, plan=plan1),
-        "deepspeed": lambda: _deepspeed_stages(device, spec, n=gpus, precision=precision, micro_batch=micro_batch,
-                                               seq_len=seq_len),
+        "deepspeed": lambda: deepspeed_stages(device, spec, n=gpus, precision=precision, micro_batch=micro_batch,
+                                              seq_len=seq_len),
         "multi-gpu": lambda: multi_gpu_checks(gpu_count(), hardware),
         "pcie": lambda: measure_pcie(device, hardware),
         "cpu-adam": lambda: cpu_adam_rows(max(1, gpu_count()), hardware),

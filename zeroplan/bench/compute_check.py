@@ -33,7 +33,7 @@ COPY_BYTES = 1 << 30  # several times any GPU's L2, so the copy streams HBM
 CPU_COPY_BYTES = 1 << 24  # on CPU the row only exercises the code path
 
 
-def _setup(spec: Any, precision: str, micro_batch: int, seq_len: int, checkpointing: str = "none") -> Any:
+def _setup(precision: str, micro_batch: int, seq_len: int, checkpointing: str = "none") -> Any:
     from zeroplan.specs.training import TrainingSetup, get_precision
 
     return TrainingSetup(precision=get_precision(precision), micro_batch=micro_batch, seq_len=seq_len,
@@ -57,7 +57,7 @@ def _attention_row(device: str, torch: Any, spec: Any, setup: Any, hardware: Any
     from zeroplan.core.compute import GENERATIONS, gpu_generation, peak_flops
 
     b, s, heads, hd = setup.micro_batch, setup.seq_len, spec.num_attention_heads, spec.head_dim
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[setup.precision.name]
+    dtype = _dtype(torch, setup.precision.name)
     q, k, v = (torch.randn(b, heads, s, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(b, heads, s, hd, device=device, dtype=dtype)
 
@@ -78,15 +78,18 @@ def _attention_row(device: str, torch: Any, spec: Any, setup: Any, hardware: Any
                     "counting the causal half); planner: peak × the generation's attention fraction")
 
 
+def _dtype(torch: Any, precision: str) -> Any:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
 def _build_model(spec: Any, device: str, dtype: Any) -> Any:
     """The spec's architecture from its own config.json, randomly initialised."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg_dict = {k: v for k, v in spec.hf_config.items() if k not in ("model_type", "architectures", "torch_dtype")}
     cfg = AutoConfig.for_model(spec.model_type, **cfg_dict)
     cfg.use_cache = False
-    import torch
-
     with torch.device(device):  # initialised where it runs: a CPU init of billions of weights takes minutes
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     return model.to(dtype=dtype).train()
@@ -96,8 +99,7 @@ def _step_rows(device: str, torch: Any, spec: Any, precision: str, micro_batch: 
                hardware: Any, timed: Any, iters: int) -> list[dict[str, Any]]:
     from zeroplan.core.compute import estimate_compute
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-    model = _build_model(spec, device, dtype)
+    model = _build_model(spec, device, _dtype(torch, precision))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len), generator=gen).to(device)
 
@@ -112,7 +114,7 @@ def _step_rows(device: str, torch: Any, spec: Any, precision: str, micro_batch: 
         t = timed(step, iters)
         pred_ms, note = None, ""
         if hardware is not None:
-            est = estimate_compute(spec, _setup(spec, precision, micro_batch, seq_len, ck), hardware)
+            est = estimate_compute(spec, _setup(precision, micro_batch, seq_len, ck), hardware)
             pred_ms = est.time_s * 1e3
             note = (f"planner: {est.elementwise_time_s * 1e3:.3f} ms of it element-wise (unfused), MFU "
                     f"{est.mfu:.3f}; measured MFU {est.model_flops / t / est.peak_flops:.3f}")
@@ -132,7 +134,7 @@ def measure_compute(device: str, spec: Any, *, seq_len: int, micro_batch: int, p
     if copy_bytes is None:
         copy_bytes = COPY_BYTES if device == "cuda" else CPU_COPY_BYTES
     timed = timer(device, torch)
-    setup = _setup(spec, precision, micro_batch, seq_len)
+    setup = _setup(precision, micro_batch, seq_len)
     rows = [_copy_row(device, torch, hardware, timed, iters, copy_bytes),
             _attention_row(device, torch, spec, setup, hardware, timed, iters)]
     try:

@@ -225,6 +225,15 @@ def test_more_nccl_ranks_than_gpus_is_refused_before_starting(no_cuda_calls):
     assert _children_of(os.getpid()) <= before  # no rank was started
 
 
+def test_nccl_ranks_are_refused_when_this_process_started_cuda(no_cuda_calls):
+    no_cuda_calls.setattr(gpus, "nvml_device_count", lambda: 8)
+    no_cuda_calls.setattr(torch.cuda, "is_initialized", lambda: True)
+    before = _children_of(os.getpid())
+    with pytest.raises(RuntimeError, match="CUDA is already initialised in this process"):
+        spawn(_identity, 1, backend="nccl", timeout_s=60)
+    assert _children_of(os.getpid()) <= before  # refused before any fork, not a hung child
+
+
 @pytest.mark.parametrize("cmd", [
     ["bench", "collectives", "--nproc", "2"],
     ["bench", "zero", "--model", "gpt2", "--stage", "1", "--nproc", "2"],

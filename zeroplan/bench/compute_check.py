@@ -26,6 +26,7 @@ from typing import Any
 
 from zeroplan.bench.gemm_check import timer
 from zeroplan.bench.validate_rows import row, skip_row
+from zeroplan.runtime.model import resolve_dtype
 
 __all__ = ["COPY_BYTES", "CPU_COPY_BYTES", "measure_compute"]
 
@@ -57,7 +58,7 @@ def _attention_row(device: str, torch: Any, spec: Any, setup: Any, hardware: Any
     from zeroplan.core.compute import GENERATIONS, gpu_generation, peak_flops
 
     b, s, heads, hd = setup.micro_batch, setup.seq_len, spec.num_attention_heads, spec.head_dim
-    dtype = _dtype(torch, setup.precision.name)
+    dtype = resolve_dtype(torch, setup.precision.name)
     q, k, v = (torch.randn(b, heads, s, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(b, heads, s, hd, device=device, dtype=dtype)
 
@@ -78,10 +79,6 @@ def _attention_row(device: str, torch: Any, spec: Any, setup: Any, hardware: Any
                     "counting the causal half); planner: peak × the generation's attention fraction")
 
 
-def _dtype(torch: Any, precision: str) -> Any:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-
-
 def _build_model(spec: Any, device: str, dtype: Any) -> Any:
     """The spec's architecture from its own config.json, randomly initialised."""
     import torch
@@ -99,7 +96,7 @@ def _step_rows(device: str, torch: Any, spec: Any, precision: str, micro_batch: 
                hardware: Any, timed: Any, iters: int) -> list[dict[str, Any]]:
     from zeroplan.core.compute import estimate_compute
 
-    model = _build_model(spec, device, _dtype(torch, precision))
+    model = _build_model(spec, device, resolve_dtype(torch, precision))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len), generator=gen).to(device)
 

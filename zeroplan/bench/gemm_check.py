@@ -60,8 +60,9 @@ def measure_layer_gemms(device: str, spec: Any, *, seq_len: int, micro_batch: in
     import torch
 
     from zeroplan.bench.validate_rows import row
+    from zeroplan.runtime.model import resolve_dtype
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    dtype = resolve_dtype(torch, precision)
     m = micro_batch * seq_len
     predicted = None
     shape_note = ""

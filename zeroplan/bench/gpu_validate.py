@@ -162,8 +162,9 @@ def measure_layer_activations(device: str, spec: Any, *, seq_len: int, micro_bat
     import torch
 
     from zeroplan.core.activations import layer_activation_bytes
+    from zeroplan.runtime.model import resolve_dtype
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    dtype = resolve_dtype(torch, precision)
     cfg = LlamaConfig(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
                       num_key_value_heads=spec.num_key_value_heads or spec.num_attention_heads,
                       intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size, num_hidden_layers=1,
@@ -305,10 +306,8 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
                                               "hidden": spec.hidden_size},
                    "gpus": gpus, "precision": precision, "micro_batch": micro_batch, "seq_len": seq_len},
         "rows": rows}
-    for name in CHECKS:  # CHECKS' order: the checks that fork ranks before CUDA starts here
+    for name in (c for c in CHECKS if c in want):  # CHECKS' order: the checks that fork ranks before CUDA starts here
         fn = steps[name]
-        if name not in want:
-            continue
         if progress is not None:
             progress(name, report)
         try:

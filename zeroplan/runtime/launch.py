@@ -57,6 +57,7 @@ __all__ = [
     "RankError",
     "mem_available_bytes",
     "spawn",
+    "refuse_cuda_parent",
     "join_torchrun",
     "under_torchrun",
     "node_groups",
@@ -214,6 +215,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: tuple = (), backend: str 
     timeout_s = check_timeout(timeout_s)
     backend = resolve_backend(backend)
     if backend == "nccl":
+        refuse_cuda_parent()
         check_gpus_for(nproc)
     # Loaded once here and shared by every forked rank (copy-on-write), not imported by each rank
     # inside its --timeout: 3-15 s per rank on a busy 2-core machine. Importing starts no thread.
@@ -239,6 +241,17 @@ def spawn(fn: Callable[..., Any], nproc: int, *, args: tuple = (), backend: str 
             return _supervise(procs, result_dir, timeout_s, mp_wait, on_poll)
         finally:
             _kill_all(procs, pgid)
+
+
+def refuse_cuda_parent() -> None:
+    """NCCL ranks forked from a process that has started CUDA cannot use it ("Cannot re-initialize
+    CUDA in forked subprocess"; on an H200 under `zeroplan validate` some hung instead): a clear error
+    before any rank starts."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA is already initialised in this process, so NCCL ranks forked from it cannot use "
+                           "CUDA; start the ranks before anything here touches CUDA")
 
 
 def check_gpus_for(nproc: int) -> None:

@@ -34,7 +34,7 @@ from zeroplan.specs.model import ModelSpec, ParamTensor
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["build_model", "ZeroModel", "param_units", "LAYERNORM_FAMILIES", "PARALLEL_FAMILIES"]
+__all__ = ["build_model", "ZeroModel", "param_units", "resolve_dtype", "LAYERNORM_FAMILIES", "PARALLEL_FAMILIES"]
 
 LAYERNORM_FAMILIES = ("gpt2", "gpt_neox", "falcon", "phi", "gptj", "opt", "bloom")
 PARALLEL_FAMILIES = ("gpt_neox", "falcon", "phi", "gptj")
@@ -169,7 +169,7 @@ def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed
     if checkpointing not in ("none", "full"):
         raise ValueError(f"checkpointing {checkpointing!r}: the runtime model implements none or full")
     torch, F, nn, Holder, TiedHead = _make_classes()
-    dtype = _resolve_dtype(torch, dtype)
+    dtype = resolve_dtype(torch, dtype)
     if not spec.tensors:
         raise ValueError(f"model spec {spec.name!r} has no parameter inventory (tensors) to build")
 
@@ -274,7 +274,8 @@ def _owner_of(spec: ModelSpec, name: str) -> str:
     raise ValueError(f"tied tensor {name!r} not found")
 
 
-def _resolve_dtype(torch: Any, dtype: Any) -> Any:
+def resolve_dtype(torch: Any, dtype: Any) -> Any:
+    """A torch dtype from a precision name (fp32/bf16/fp16, or float32/bfloat16/float16), a dtype, or None (fp32)."""
     if dtype is None:
         return torch.float32
     if isinstance(dtype, str):

@@ -405,3 +405,16 @@ def test_storage_tracker_counts_storages_once_and_enforces_a_limit():
         assert exc.value.live_bytes == 8000 and exc.value.requested_bytes == 4000
         del keep
     assert tr.phase_peaks()["forward"]["peak"] == 8000
+
+
+def test_storage_tracker_does_not_count_meta_tensors():
+    # DeepSpeed 0.19.8's ZeRO-1/2 keeps a meta-device copy of every parameter's shape
+    # (stage_1_and_2.py round_robin_bit16_meta): shapes only, no memory, so no bytes
+    from zeroplan.runtime.memory import StorageTracker
+
+    tr = StorageTracker()
+    with tr:
+        shapes = [torch.zeros(4096, 4096, device="meta") for _ in range(3)]
+        real = torch.empty(1000)
+        assert tr.live_bytes == 4000
+    assert len(shapes) == 3 and real.numel() == 1000

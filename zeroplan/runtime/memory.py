@@ -167,6 +167,8 @@ class StorageTracker:
                     self._see_tensor(o)
 
     def _see_tensor(self, t: Any) -> None:
+        if t.device.type == "meta":  # shape only, no memory (DeepSpeed keeps meta copies of its params' shapes)
+            return
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # e.g. sparse / nested: not tracked

@@ -91,7 +91,8 @@ def test_a_plan_whose_cache_outgrows_the_card_fits_and_fills_it():
 def test_plans_tag_what_is_held_and_what_churns():
     # core/memory.held_bytes: parameters, optimizer states and DeepSpeed's own gradient buffers are held;
     # the step's transients are re-requested at their own size; autograd's p.grad (FP16_Optimizer,
-    # stage 0) churns with the activations. Expected values are sums of the plan's own categories.
+    # stage 0) churns with the activations; torch's cuBLAS workspaces are held from the first step on.
+    # Expected values are sums of the plan's own categories.
     spec = load_model("llama-2-7b")
     hw = load_profile("hardware_profiles/dgx-a100-80gb.toml")
     tr = TrainingSetup(precision=get_precision("bf16"), micro_batch=1, seq_len=1024, checkpointing="full")
@@ -99,12 +100,14 @@ def test_plans_tag_what_is_held_and_what_churns():
     m = evaluate(model=spec, training=tr, zero=z2, n_gpus=8, gpus_per_node=8, hardware=hw).memory
     st = m.phases["step"].by_category
     assert not m.gradients_churned
-    assert m.held_bytes["step"] == st["params"] + st["optimizer_states"] + st["gradients"] + m.step_transient_bytes
+    ws = m.buffers_detail["cublas_workspaces"]
+    assert ws == 2 * 8_519_680  # two handles (forward thread, autograd thread), A100: ":4096:2:16:8"
+    assert m.held_bytes["step"] == st["params"] + st["optimizer_states"] + st["gradients"] + m.step_transient_bytes + ws
     b = m.phases["backward"].by_category
-    assert m.held_bytes["backward"] == b["params"] + b["optimizer_states"] + b["gradients"] + m.buffers_detail["ipg_bucket"]
+    assert m.held_bytes["backward"] == b["params"] + b["optimizer_states"] + b["gradients"] + m.buffers_detail["ipg_bucket"] + ws
     fp16 = TrainingSetup(precision=get_precision("fp16"), micro_batch=1, seq_len=1024, checkpointing="full")
     z0 = load_ds_config({"fp16": {"enabled": True}, "zero_optimization": {"stage": 0}}).zero
     m0 = evaluate(model=load_model("1B"), training=fp16, zero=z0, n_gpus=8, gpus_per_node=8, hardware=hw).memory
     s0 = m0.phases["step"].by_category
     assert m0.gradients_churned and s0["gradients"] > 0
-    assert m0.held_bytes["step"] == s0["params"] + s0["optimizer_states"] + m0.step_transient_bytes
+    assert m0.held_bytes["step"] == s0["params"] + s0["optimizer_states"] + m0.step_transient_bytes + ws

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from zeroplan.advice.recommend_models import BUCKET_SIZES, CKPT_ORDER, PREFETCH_SMALL, Candidate, candidate_zero
 from zeroplan.advice.recommend_sweep import _Family, _State, _Sweep
+from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import memory_for_stage
 
@@ -159,7 +160,7 @@ def nodes_needed(inp: Any, base_zeros: dict[int, Any], stage: int, *, usable_gpu
                           reduce_bucket_size=BUCKET_SIZES[0],
                           prefetch_bucket_size=min(PREFETCH_SMALL, base_zeros[stage].prefetch_bucket_size),
                           hpz_partition_size=1)
-    overhead = inp.hardware.overhead.model_dump()
+    overhead = device_overhead(inp.hardware)
 
     def fits(nodes: int) -> bool:
         n = nodes * gpn

@@ -18,6 +18,7 @@ from typing import Any
 
 from zeroplan.advice.recommend_models import CKPT_ORDER, candidate_zero
 from zeroplan.core.activations import activation_memory
+from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.allocator import communicators, reserved_bytes
 from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
 from zeroplan.core.layout import build_layout
@@ -199,7 +200,7 @@ class _Sweep:
         self.comm_model = comm_model
         self.mfu = mfu
         self.base_zeros = base_zeros
-        self.overhead = self.hw.overhead.model_dump()
+        self.overhead = device_overhead(self.hw)
         self.ref_training = inp.training.model_copy(update={"micro_batch": 1, "checkpointing": "none"})
         self._layouts: dict[tuple, Any] = {}
         self._trainings: dict[tuple, Any] = {}

@@ -188,7 +188,7 @@ def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingS
         od["cuda_context"] = int(overhead.get("cuda_context_bytes", 0))
         od["nccl"] = int(overhead.get("nccl_bytes", 0)) * n_comm
     else:
-        notes.append("no hardware profile: CUDA context and NCCL buffers are not included; no allocator slack")
+        notes.append("no hardware profile: CUDA context, NCCL buffers and cuBLAS workspaces are not included; no allocator slack")
     capped = release_under_pressure(reserved, required, sum(od.values()), gpu_memory_bytes)
     if capped != reserved:
         notes.append(f"the allocator's cache ({reserved / 2**30:.2f} GiB) would outgrow the card: PyTorch frees cached "
@@ -254,8 +254,7 @@ def memory_for_stage(
     if finetune is not None and train_layout is None:
         train_layout = zero_layout(finetune.trainable, n_gpus, zero)
     tl = layout if train_layout is None else train_layout
-    off_opt = zero.optimizer_offload_device
-    off_par = zero.param_offload_device
+    off_opt, off_par = zero.optimizer_offload_device, zero.param_offload_device
     sp = state_plan(training, stage, offload=off_opt != "none", flavour=flavour)
     notes: list[str] = [sp.note] if sp.note else []
     params, grads_end, opt = model_state_bytes(tl, training, stage, offload=off_opt != "none", flavour=flavour)
@@ -268,7 +267,8 @@ def memory_for_stage(
                                                  stage, off_opt, off_par)
 
     pb = phase_buffers(tl, training, zero, stage, off_opt=off_opt, grad_bytes=sp.grad_bytes,
-                       grad_end=gpu_grads_end, wrapper=sp.wrapper, gather_layout=layout)
+                       grad_end=gpu_grads_end, wrapper=sp.wrapper, gather_layout=layout,
+                       cublas_workspace_bytes=int((overhead or {}).get("cublas_workspace_bytes", 0)))
     # gradients that persist outside backward/step: stage 3's partition buffer and BF16_Optimizer's
     # fp32 gradients always; with gradient accumulation the previous micro-steps' gradients
     persistent_grads = stage == 3 or sp.wrapper == "bf16_optimizer" or training.grad_accum > 1

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from zeroplan.core.comm import STAGE0_BUCKET
+from zeroplan.core.cublas_workspace import CUBLAS_HANDLES_PER_STEP
 from zeroplan.core.layout import Layout, Stage3Schedule, stage3_schedule
 from zeroplan.core.memory_states import optimizer_temp_bytes
 from zeroplan.specs.ds_schema import ZeroConfig
@@ -214,8 +215,10 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Training
 
 
 def phase_buffers(layout: Layout, training: TrainingSetup, zero: ZeroConfig, stage: int, *, off_opt: str, grad_bytes: int,
-                  grad_end: int, wrapper: str, gather_layout: Layout | None = None) -> PhaseBuffers:
-    """Every DeepSpeed buffer per phase for one stage (gradients and states excluded).
+                  grad_end: int, wrapper: str, gather_layout: Layout | None = None,
+                  cublas_workspace_bytes: int = 0) -> PhaseBuffers:
+    """Every DeepSpeed buffer per phase for one stage (gradients and states excluded), and torch's
+    cuBLAS workspaces (``cublas_workspace_bytes`` per handle and stream: core/cublas_workspace.py).
 
     ``layout`` holds the trainable parameters (buckets, the step); ``gather_layout`` every
     parameter stage 3 partitions and gathers (the same layout unless some weights are frozen).
@@ -242,4 +245,16 @@ def phase_buffers(layout: Layout, training: TrainingSetup, zero: ZeroConfig, sta
         _stage3(pb, layout, zero, b_g, b_c, b_p, contiguous, gather_layout)
     if off_opt == "none":
         _step(pb, layout, zero, training, stage, b_g, grad_end, wrapper)
+    _cublas(pb, cublas_workspace_bytes * CUBLAS_HANDLES_PER_STEP)
     return pb
+
+
+def _cublas(pb: PhaseBuffers, ws: int) -> None:
+    """One workspace per GEMM-running thread, allocated in the caching allocator at the first step and held
+    in every phase after it (torch CublasHandlePool.cpp ``setWorkspaceForHandle``)."""
+    if not ws:
+        return
+    pb.detail["cublas_workspaces"] = ws
+    for p in ("forward", "backward", "step"):
+        setattr(pb, p, getattr(pb, p) + ws)
+        pb.held[p] = pb.held.get(p, 0) + ws

@@ -15,6 +15,7 @@ from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledg
 from zeroplan.core.finetune import FineTuneViews, ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.specs.finetune import FineTuneInventory
+from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
 from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
@@ -85,7 +86,7 @@ def evaluate(
     stage = int(zero.stage)
     layout = zero_layout(model if finetune is None else finetune.full, n_gpus, zero)
     train_layout = None if finetune is None else zero_layout(finetune.trainable, n_gpus, zero)
-    overhead = hardware.overhead.model_dump() if hardware is not None else None
+    overhead = device_overhead(hardware) if hardware is not None else None
     mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout,
                            flavour=comm_model, finetune=finetune, train_layout=train_layout,
                            gpu_memory_bytes=int(hardware.gpu.memory_bytes) if hardware is not None else None)

@@ -144,5 +144,13 @@ def test_real_deepspeed_runs_stage_3_after_stage_2_in_one_process():
     rows = deepspeed_stages("cpu", spec, n=8, precision="bf16", micro_batch=1, seq_len=16)
     # before the cached groups were restored, stage 3 failed with "Group ... is not registered"
     assert [r["figure"] for r in rows] == ["rank 0 of 8: params + optimizer states (stage 2, bf16)",
-                                           "rank 0 of 8: params + optimizer states (stage 3, bf16)"]
-    assert all(abs(r["error"]) < 1e-4 for r in rows)
+                                           "rank 0 of 8: peak live tensor bytes (stage 2)",
+                                           "rank 0 of 8: params + optimizer states (stage 3, bf16)",
+                                           "rank 0 of 8: peak live tensor bytes (stage 3)"]
+    states = [r for r in rows if "optimizer states" in r["figure"]]
+    # exact but for torch AdamW's 4-byte step counter (DeepSpeed's FusedAdam, on a GPU, keeps an int)
+    assert all(r["measured"] - r["predicted"] == 4 for r in states)
+    # on CPU the peak is every live tensor storage (runtime.memory.StorageTracker): a real figure, above the
+    # model states it contains
+    peaks = [r for r in rows if "peak live" in r["figure"]]
+    assert all(r["measured"] > s["measured"] for r, s in zip(peaks, states))

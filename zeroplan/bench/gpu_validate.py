@@ -269,8 +269,11 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
     spec = scaled_spec(full, layers=layers, hidden=hidden, vocab=None, experts=None)
     want = set(checks or CHECKS)
     rows: list[dict[str, Any]] = []
+    # on CUDA the plan counts what the GPU adds (cuBLAS workspaces, allocator slack) from the profile; a
+    # CPU run's tensors are set beside the plan without them
+    mem_hw = hardware if device == "cuda" else None
     plan1 = predict(spec, _zero_config(2, None), precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                    grad_accum=1, n=1)
+                    grad_accum=1, n=1, hardware=mem_hw)
     # the planner's foreach AdamW temporaries per element (core/memory_states.optimizer_temp_bytes)
     from zeroplan.core.memory_states import optimizer_temp_bytes
     from zeroplan.specs.training import TrainingSetup
@@ -295,7 +298,7 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
         "engine": lambda: measure_engine_peak(device, spec, _zero_config(2, None), precision=precision,
                                               micro_batch=micro_batch, seq_len=seq_len, n=1, plan=plan1),
         "deepspeed": lambda: deepspeed_stages(device, spec, n=gpus, precision=precision, micro_batch=micro_batch,
-                                              seq_len=seq_len),
+                                              seq_len=seq_len, hardware=mem_hw),
         "multi-gpu": lambda: multi_gpu_checks(gpu_count(), hardware),
         "pcie": lambda: measure_pcie(device, hardware),
         "cpu-adam": lambda: cpu_adam_rows(max(1, gpu_count()), hardware),

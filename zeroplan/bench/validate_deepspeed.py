@@ -7,6 +7,8 @@ beside the plan for ``n`` GPUs, at ZeRO stages 2 and 3.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 from zeroplan.bench.validate_rows import op_build_failure, row
@@ -28,10 +30,8 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
 
     from zeroplan.bench.deepspeed_engine import (_collect_storages, _disable_shm_comm_op, _memory_by_category,
                                                   make_ds_config)
-    from zeroplan.runtime.model import build_model
+    from zeroplan.runtime.memory import StorageTracker
     from zeroplan.runtime.simulate import _private_apis
-
-    import os
 
     _, FakeStore = _private_apis()
     if dist.is_initialized():
@@ -53,21 +53,11 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
         cfg = make_ds_config(stage=stage, precision=precision, micro_batch=micro_batch, grad_accum=1,
                              comms_logger=False)
-        if device == "cuda":
-            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}  # FusedAdam, as users run it
-            opt = None
-        model = build_model(spec, "fp32", "cpu", seed=0)
-        if device != "cuda":
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-        dev = engine.device
-        for s in range(steps):
-            if s == steps - 1 and device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len)).to(dev)
-            engine.backward(engine(ids))
-            engine.step()
+        # on CPU every tensor storage is counted as it lives and dies (runtime.memory.StorageTracker): the
+        # peak a CUDA allocator would report, less the cuBLAS workspaces and the allocator's rounding
+        tracker = StorageTracker() if device != "cuda" else contextlib.nullcontext()
+        with tracker:
+            engine = _train(deepspeed, torch, spec, cfg, device, micro_batch, seq_len, steps, tracker)
         states = _memory_by_category(_collect_storages(engine))
         mem = getattr(plan, "memory", None)
         # after the step DeepSpeed has freed the gradient partition: compare what persists
@@ -76,6 +66,12 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
         rows = [row("deepspeed", f"rank 0 of {n}: params + optimizer states (stage {stage}, {precision})",
                     pred_states, meas_states,
                     note=f"real DeepSpeed {deepspeed.__version__} on the fake process group, {device}")]
+        if device != "cuda":
+            live_peak = max(v["peak"] for v in tracker.phase_peaks().values())
+            rows.append(row("deepspeed", f"rank 0 of {n}: peak live tensor bytes (stage {stage})",
+                            getattr(mem, "allocated", None), live_peak,
+                            note="every tensor storage counted while it lives; a GPU adds the cuBLAS workspaces "
+                                 "(core/cublas_workspace.py) and the allocator's 512-byte rounding"))
         if device == "cuda":  # the plan's allocated and reserved, not its peak (which adds context and NCCL)
             torch.cuda.synchronize()
             rows.append(row("deepspeed", f"rank 0 of {n}: peak allocated (stage {stage})", getattr(mem, "allocated", None),
@@ -96,16 +92,51 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
                 os.environ[k] = v
 
 
+def _train(deepspeed: Any, torch: Any, spec: Any, cfg: dict, device: str, micro_batch: int, seq_len: int,
+           steps: int, tracker: Any) -> Any:
+    """Build the model and DeepSpeed's engine, run ``steps`` steps; peaks are reset before the last one."""
+    from zeroplan.runtime.model import build_model
+
+    opt = None
+    if device == "cuda":
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}  # FusedAdam, as users run it
+    model = build_model(spec, "fp32", "cpu", seed=0)
+    if device != "cuda":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # no step temporaries, as FusedAdam
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    for s in range(steps):
+        last = s == steps - 1
+        if last and device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        elif last:
+            tracker.reset_peaks()
+        ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len)).to(engine.device)
+        _phase(tracker, "forward")
+        loss = engine(ids)
+        _phase(tracker, "backward")
+        engine.backward(loss)
+        _phase(tracker, "step")
+        engine.step()
+    return engine
+
+
+def _phase(tracker: Any, name: str) -> None:
+    if hasattr(tracker, "phase"):
+        tracker.phase = name
+
+
 def deepspeed_stages(device: str, spec: Any, *, n: int, precision: str, micro_batch: int,
-                      seq_len: int) -> list[dict[str, Any]]:
-    """Real DeepSpeed as rank 0 of ``n`` at stage 2 and stage 3, each against the plan for it; a failed
-    stage is a row of its own."""
+                      seq_len: int, hardware: Any = None) -> list[dict[str, Any]]:
+    """Real DeepSpeed as rank 0 of ``n`` at stage 2 and stage 3, each against the plan for it (on
+    ``hardware``: None plans the tensors alone, as a CPU run measures them); a failed stage is a row of
+    its own."""
     from zeroplan.bench.validate import _zero_config, predict
 
     rows: list[dict[str, Any]] = []
     for stage in (2, 3):
         plan = predict(spec, _zero_config(stage, None), precision=precision, micro_batch=micro_batch,
-                       seq_len=seq_len, grad_accum=1, n=n)
+                       seq_len=seq_len, grad_accum=1, n=n, hardware=hardware)
         try:
             rows += measure_deepspeed_virtual(device, spec, n=n, stage=stage, precision=precision,
                                               micro_batch=micro_batch, seq_len=seq_len, plan=plan)

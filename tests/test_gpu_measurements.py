@@ -147,8 +147,9 @@ CPU_REPLAY = GPU_DIR.parent / "cpu-replay"
 
 def test_the_gpu_adds_two_cublas_workspaces_to_the_tensors():
     """The same real-DeepSpeed runs replayed on CPU with every tensor storage counted (cpu-replay/): the H200's
-    peak allocated is the CPU's tensor peak plus two 32 MiB cuBLAS workspaces (core/cublas_workspace.py),
-    within the allocator's 512-byte rounding of every block live at the peak."""
+    peak allocated is the CPU's tensor peak plus two 32 MiB cuBLAS workspaces (core/cublas_workspace.py).
+    The rest (0.3-2.9 MB) is at most two 1 MiB cuBLASLt workspaces (one per thread where a GEMM takes the Lt
+    path; torch's CUBLASLT_WORKSPACE_SIZE default, not planned) and the allocator's 512-byte rounding."""
     from zeroplan.core.cublas_workspace import CUBLAS_HANDLES_PER_STEP, cublas_workspace_bytes
 
     ws = CUBLAS_HANDLES_PER_STEP * cublas_workspace_bytes("NVIDIA H200")
@@ -161,6 +162,6 @@ def test_the_gpu_adds_two_cublas_workspaces_to_the_tensors():
             allocated = gpu[f"rank 0 of 8: peak allocated (stage {stage})"]
             print(f"{cpu_path.name} stage {stage}: H200 allocated {allocated:,} - CPU tensors {live:,} = "
                   f"{allocated - live:,} (workspaces {ws:,})")
-            assert 0 <= allocated - live - ws <= 2 * 2**20
+            assert 0 <= allocated - live - ws <= 3 * 2**20
             pairs += 1
     assert pairs >= 2

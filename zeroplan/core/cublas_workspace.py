@@ -13,10 +13,11 @@ torch's ``aten/src/ATen/cuda/CublasHandlePool.cpp``:
   full checkpointing's recomputation) on autograd's device thread. So two workspaces per rank, both
   allocated from the first step on and held.
 
-Measured (examples/validation/gpu/h200-2026-11-26): on an H200 the bundled engine's peak allocated
-was 2 x 33,554,432 bytes (+ a 1 MiB cuBLASLt workspace, used by GEMMs with a bias epilogue and not
-counted here) above the tensors it holds; real DeepSpeed's stage-2 and stage-3 peaks on the H200 were
-67.5 and 68.5 MB above the same runs' tensor peaks replayed on CPU (tests/test_gpu_measurements.py).
+Measured (examples/validation/gpu/h200-2026-11-26, examples/validation/cpu-replay): on an H200 the
+bundled engine's peak allocated was 2 x 33,554,432 bytes (+ a 1 MiB cuBLASLt workspace) above the
+tensors it holds; real DeepSpeed's stage-2 and stage-3 peaks were 67.5-70.0 MB above the same runs'
+tensor peaks replayed on CPU (tests/test_gpu_measurements.py). The cuBLASLt workspaces (1 MiB per
+thread, ``CUBLASLT_WORKSPACE_SIZE``, only where a GEMM takes the Lt path) are not planned.
 
 ROCm is not counted: its hipBLAS (128 MiB on gfx94x) and hipBLASLt (76 MiB) workspaces have separate
 handle pools, and which of them a training step allocates was not measured.

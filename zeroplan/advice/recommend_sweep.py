@@ -18,9 +18,9 @@ from typing import Any
 
 from zeroplan.advice.recommend_models import CKPT_ORDER, candidate_zero
 from zeroplan.core.activations import activation_memory
-from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.allocator import communicators, reserved_bytes
 from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
+from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.layout import build_layout
 from zeroplan.core.finetune import ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work

@@ -12,10 +12,10 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
+from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.finetune import FineTuneViews, ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.specs.finetune import FineTuneInventory
-from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
 from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage

@@ -198,11 +198,14 @@ print("RESULT" + json.dumps(rows))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    (row,) = json.loads(r.stdout[r.stdout.index("RESULT") + 6:].splitlines()[0])
+    row, peak = json.loads(r.stdout[r.stdout.index("RESULT") + 6:].splitlines()[0])
     # bf16 stage 2, rank 0 of 8: 2Ψ params + 12Ψ/8 optimizer states (padding aside) — DeepSpeed, not zeroplan
     psi = 164672
     assert row["measured"] == pytest.approx(2 * psi + 12 * psi / 8, rel=0.02)
     assert abs(row["error"]) < 0.1
+    # on CPU the peak of every live tensor storage, beside the plan's allocated bytes
+    assert peak["figure"] == "rank 0 of 8: peak live tensor bytes (stage 2)"
+    assert peak["measured"] > row["measured"] and peak["predicted"] > row["predicted"]
 
 
 def test_run_validation_keeps_going_when_one_check_fails(monkeypatch):

@@ -7,7 +7,6 @@ beside the plan for ``n`` GPUs, at ZeRO stages 2 and 3.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
@@ -30,7 +29,7 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
 
     from zeroplan.bench.deepspeed_engine import (_collect_storages, _disable_shm_comm_op, _memory_by_category,
                                                   make_ds_config)
-    from zeroplan.runtime.memory import StorageTracker
+    from zeroplan.runtime.memory import NullMeter, StorageTracker
     from zeroplan.runtime.simulate import _private_apis
 
     _, FakeStore = _private_apis()
@@ -55,7 +54,7 @@ def measure_deepspeed_virtual(device: str, spec: Any, *, n: int, stage: int, pre
                              comms_logger=False)
         # on CPU every tensor storage is counted as it lives and dies (runtime.memory.StorageTracker): the
         # peak a CUDA allocator would report, less the cuBLAS workspaces and the allocator's rounding
-        tracker = StorageTracker() if device != "cuda" else contextlib.nullcontext()
+        tracker = StorageTracker() if device != "cuda" else NullMeter()
         with tracker:
             engine = _train(deepspeed, torch, spec, cfg, device, micro_batch, seq_len, steps, tracker)
         states = _memory_by_category(_collect_storages(engine))
@@ -109,21 +108,16 @@ def _train(deepspeed: Any, torch: Any, spec: Any, cfg: dict, device: str, micro_
         if last and device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        elif last:
-            tracker.reset_peaks()
+        if last:
+            tracker.reset_peaks()  # the CPU tracker's; a no-op on CUDA (NullMeter)
         ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len)).to(engine.device)
-        _phase(tracker, "forward")
+        tracker.phase = "forward"
         loss = engine(ids)
-        _phase(tracker, "backward")
+        tracker.phase = "backward"
         engine.backward(loss)
-        _phase(tracker, "step")
+        tracker.phase = "step"
         engine.step()
     return engine
-
-
-def _phase(tracker: Any, name: str) -> None:
-    if hasattr(tracker, "phase"):
-        tracker.phase = name
 
 
 def deepspeed_stages(device: str, spec: Any, *, n: int, precision: str, micro_batch: int,

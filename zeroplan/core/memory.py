@@ -34,7 +34,7 @@ from zeroplan.core.allocator import communicators, release_under_pressure, requi
 from zeroplan.core.finetune import FineTuneViews
 from zeroplan.core.host_memory import HostMemory, host_memory
 from zeroplan.core.layout import Layout, zero_layout
-from zeroplan.core.memory_buffers import GatherPeak, PhaseBuffers, phase_buffers
+from zeroplan.core.memory_buffers import PHASES, GatherPeak, PhaseBuffers, phase_buffers
 from zeroplan.core.memory_states import model_state_bytes, state_plan
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.model import ModelSpec
@@ -55,7 +55,6 @@ __all__ = [
 ]
 
 CATEGORIES = ("params", "gradients", "optimizer_states", "buffers", "activations")
-PHASES = ("forward", "backward", "step")
 
 
 def paper_model_states(params: int, n: int, stage: int, k: int = 12, param_bytes: int = 2, grad_bytes: int = 2) -> Fraction:

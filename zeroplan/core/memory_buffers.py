@@ -18,7 +18,9 @@ from zeroplan.core.memory_states import optimizer_temp_bytes
 from zeroplan.specs.ds_schema import ZeroConfig
 from zeroplan.specs.training import TrainingSetup
 
-__all__ = ["GatherPeak", "PhaseBuffers", "phase_buffers"]
+__all__ = ["GatherPeak", "PHASES", "PhaseBuffers", "phase_buffers"]
+
+PHASES = ("forward", "backward", "step")  # the phases every buffer figure is given for (PhaseBuffers' fields)
 
 
 class GatherPeak(BaseModel):
@@ -255,6 +257,6 @@ def _cublas(pb: PhaseBuffers, ws: int) -> None:
     if not ws:
         return
     pb.detail["cublas_workspaces"] = ws
-    for p in ("forward", "backward", "step"):
+    for p in PHASES:
         setattr(pb, p, getattr(pb, p) + ws)
         pb.held[p] = pb.held.get(p, 0) + ws

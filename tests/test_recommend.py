@@ -191,6 +191,32 @@ def test_sweep_matches_evaluate():
             assert p.tokens_per_s == pytest.approx(a.tokens_per_s, rel=1e-9)
 
 
+def test_leanest_of_a_stage_that_does_not_fit_is_what_estimate_says():
+    """Where a stage does not fit, "even at its leanest it needs X" must be evaluate()'s peak for that
+    configuration, including the allocator's cache giving way on the card (core/allocator.py
+    release_under_pressure): llama-2-70b's ZeRO-0/1/2 on 4 DGX-H100 need more than the card holds."""
+    from zeroplan.advice.recommend import candidate_zero, recommend
+    from zeroplan.core.inputs import build_plan_inputs, zero_for_stage
+    from zeroplan.core.plan import evaluate
+
+    inp = build_plan_inputs(model="llama-2-70b", hardware="dgx-h100", nodes=4, precision="bf16")
+    rec = recommend(inp, top=5)
+    over = [s for s in rec.stages if not s.fits_without_offload]
+    assert {s.stage for s in over} >= {0, 1, 2}
+    capped = 0
+    for s in over:
+        c = s.leanest
+        zero = candidate_zero(zero_for_stage(inp, c.stage), offload_optimizer="none", offload_param="none",
+                              reduce_bucket_size=c.reduce_bucket_size, prefetch_bucket_size=c.prefetch_bucket_size,
+                              hpz_partition_size=c.hpz_partition_size)
+        tr = inp.training.model_copy(update={"micro_batch": c.micro_batch, "checkpointing": c.checkpointing})
+        m = evaluate(model=inp.spec, training=tr, zero=zero, n_gpus=inp.n_gpus, gpus_per_node=inp.gpus_per_node,
+                     hardware=inp.hardware).memory
+        assert c.peak_bytes == m.peak, s.stage
+        capped += any("would outgrow the card" in n for n in m.notes)
+    assert capped >= 1  # the cap is exercised (ZeRO-2's leanest: 183.83 GB, not the uncapped 188.97)
+
+
 @pytest.mark.parametrize("args,needle", [
     (["-m", "7B", "--gpus", "8"], "--hardware"),
     (["-m", "7B", "-H", "dgx-h100", "--headroom", "1.5"], "--headroom"),

@@ -18,14 +18,15 @@ from typing import Any
 
 from zeroplan.advice.recommend_models import CKPT_ORDER, candidate_zero
 from zeroplan.core.activations import activation_memory
-from zeroplan.core.allocator import communicators, reserved_bytes
+from zeroplan.core.allocator import communicators, release_under_pressure, required_bytes, reserved_bytes
 from zeroplan.core.backward_moments import activation_at
 from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
 from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.layout import build_layout
 from zeroplan.core.finetune import ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
-from zeroplan.core.memory import memory_for_stage
+from zeroplan.core.memory import grads_from_autograd, memory_for_stage
+from zeroplan.core.memory_states import state_plan
 from zeroplan.core.timing import estimate_time
 
 __all__: list[str] = []  # internal to recommend: _State, _Family, _Sweep
@@ -54,6 +55,7 @@ class _State:
     # the backward's moments (core/backward_moments.py): (activations, non-activation bytes, held bytes,
     # layers done) each, in core.memory's order
     moments: tuple[tuple[str, int, int, int], ...] = ()
+    step_pinned: bool = False  # the step reads autograd's p.grad (core/memory.py grads_from_autograd)
 
 
 def _moments(m: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -281,11 +283,14 @@ class _Sweep:
         return _State(stage=stage, off_opt=oo, off_par=op, rbs=rbs, prefetch=pf, hpz=hpz, zero=None,
                       na=(fwd, stp), host_per_node=host, nvme_per_node=nvme, deviation=dev, key=point,
                       side=tuple(side), communicators=communicators(self.zero(stage, point), stage, self.n),
-                      moments=tuple((k, *flat[3 * i:3 * i + 3]) for i, k in enumerate(kinds)))
+                      moments=tuple((k, *flat[3 * i:3 * i + 3]) for i, k in enumerate(kinds)),
+                      step_pinned=grads_from_autograd(state_plan(self.ref_training, stage, offload=oo != "none",
+                                                                 flavour=self.comm_model).wrapper, stage))
 
     def peak(self, s: _State, mb: int, ckpt: str) -> int:
         """Exactly core.memory's peak: the caching allocator's pools over the phases' live bytes
-        (core/allocator.py), plus the CUDA context and NCCL per communicator."""
+        (core/allocator.py), capped as on the card when the cache would outgrow it, plus the CUDA
+        context and NCCL per communicator."""
         fwd, stp = s.na
         ag_f, ag_b, rs, red, step_transient, held_f, held_s = s.side
         # core/memory.py _phases: the largest backward moment, the first on a tie, with its held bytes;
@@ -298,10 +303,16 @@ class _Sweep:
         pools = {"allgather": {"forward": ag_f, "backward": ag_b}, "reduce_scatter": {"backward": rs},
                  "reduction": {"backward": red}}
         o = self.overhead
-        _, reserved, _ = reserved_bytes(live, pools, fragmentation_fraction=float(o["fragmentation_fraction"]),
-                                        expandable_segments=self.inp.training.expandable_segments,
+        frag, expandable = float(o["fragmentation_fraction"]), self.inp.training.expandable_segments
+        _, reserved, _ = reserved_bytes(live, pools, fragmentation_fraction=frag, expandable_segments=expandable,
                                         step_transient=step_transient, held_by_phase=held)
-        return reserved + int(o["cuda_context_bytes"]) + int(o["nccl_bytes"]) * s.communicators
+        outside = int(o["cuda_context_bytes"]) + int(o["nccl_bytes"]) * s.communicators
+        capacity = int(self.hw.gpu.memory_bytes)
+        if reserved + outside > capacity:  # core/memory.py _device_figures: the cache gives way before an OOM
+            required = required_bytes(live, pools, fragmentation_fraction=frag, expandable_segments=expandable,
+                                      step_transient=step_transient, step_pinned=s.step_pinned, held_by_phase=held)
+            reserved = release_under_pressure(reserved, min(required, reserved), outside, capacity)
+        return reserved + outside
 
     def ledger(self, s: _State, ckpt: str = "none") -> Any:
         """The state's collective ledger for estimate_time: independent of the micro-batch, and of

@@ -29,13 +29,13 @@ all-to-all (intra-node then inter-node) when there is more than one node.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
 from zeroplan.core.layout import Layout, ceil_div, greedy_buckets_after
-from zeroplan.core.stage3_fetch import FetchUnit, stage3_gathers
+from zeroplan.core.stage3_fetch import stage3_gathers
+from zeroplan.core.stage3_live import replay_inputs
 from zeroplan.specs.collectives import sent_bytes
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.training import TrainingSetup
@@ -233,23 +233,6 @@ def _stages12(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroCo
         B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
 
 
-def _replay_inputs(layout: Layout, tl: Layout, no_backward: frozenset[str]) -> tuple[
-        tuple[int, ...], tuple[int, ...], tuple[bool, ...], tuple[FetchUnit, ...], tuple[bool, ...]]:
-    """What the coordinator replay reads of a layout: per tensor its numel, padded numel, persistence
-    and whether it is frozen (not in ``tl``, the trainable layout), and the fetch units with their
-    backward flag. Kept on the layout (``recommend``'s search plans one layout at many points)."""
-    key = (no_backward, tuple(t.name for t in tl.tensors))
-    cache = layout.__dict__.setdefault("_replay_inputs", {})
-    if key not in cache:
-        pset = {t.name for t in layout.persistent_tensors}
-        trained = set(key[1])
-        cache[key] = (tuple(t.numel for t in layout.tensors), tuple(layout.padded(t.numel) for t in layout.tensors),
-                      tuple(t.name in pset for t in layout.tensors),
-                      tuple(replace(u, backward=u.name not in no_backward) for u in layout.units),
-                      tuple(t.name not in trained for t in layout.tensors))
-    return cache[key]
-
-
 def _stage3_gathers(B: _Builder, layout: Layout, tl: Layout, training: TrainingSetup, zero: ZeroConfig, ds: bool,
                     no_backward: frozenset[str], notes: list[str]) -> None:
     """Stage 3's parameter all-gathers in forward and backward (ZeRO++ qwZ / hpZ variants).
@@ -261,7 +244,7 @@ def _stage3_gathers(B: _Builder, layout: Layout, tl: Layout, training: TrainingS
     qwz = zero.zero_quantized_weights
     hpz = zero.zero_hpz_partition_size or 1  # 0 and 1 both mean no secondary partition
     if ds:
-        numel, padded, persistent, units, frozen = _replay_inputs(layout, tl, no_backward)
+        numel, padded, persistent, units, frozen = replay_inputs(layout, tl, no_backward)
         gathers = stage3_gathers(numel, padded, persistent, units,
                                  max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
                                  max_reuse=zero.max_reuse_distance, grad_accum=gas,

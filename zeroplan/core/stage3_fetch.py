@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -93,6 +94,12 @@ class _Coordinator:
     active: dict[int, set[int]] = field(default_factory=dict)
     cache: dict[tuple[int, int], frozenset[int]] = field(default_factory=dict)
     gathers: list[Gather] = field(default_factory=list)
+    # what core/stage3_live.py reads: padded elements of the non-persistent parameters available (gathered
+    # or in flight), the coalesced prefetch each in-flight parameter came in (its elements, when it holds
+    # more than one parameter), and the flat buffer the last fetch waited on beside its parameters' copies
+    live: int = 0
+    bundle: dict[int, int] = field(default_factory=dict)
+    transient: int = 0
 
     def __post_init__(self) -> None:
         self.trace = [u for kind, u, _, _ in self.events if kind == "fetch"]  # unit per step id; -1 = the root
@@ -110,6 +117,7 @@ class _Coordinator:
         """``reset_step``: in-flight prefetches released, queue and counters restarted."""
         for p in sorted(self.inflight):
             self.inflight.discard(p)
+            self.bundle.pop(p, None)
             self._release_param(p)
         self.queue = deque((p, sid) for sid, u in enumerate(self.trace) for p in self.params_of(u))
         self.recent: dict[int, int] = {}
@@ -123,18 +131,29 @@ class _Coordinator:
             return
         self.n_available += sum(self.numel[p] for p in todo)
         self.available.update(todo)
+        self.live += sum(self.padded[p] for p in todo if not self.persistent[p])
+        elements = sum(self.padded[p] for p in todo)
         if prefetch:
             self.inflight.update(todo)
-        self.gathers.append(Gather(phase, sum(self.padded[p] for p in todo), len(todo), unit, prefetch, recompute))
+            if len(todo) > 1:
+                self.bundle.update((p, elements) for p in todo)
+        elif len(todo) > 1:
+            # partition_parameters.py AllGatherCoalescedHandle.wait: each parameter is copied out of
+            # the flat buffer (torch.cat of its rank slices) while the flat buffer still lives
+            self.transient = max(self.transient, elements)
+        self.gathers.append(Gather(phase, elements, len(todo), unit, prefetch, recompute))
 
     def fetch(self, u: int, phase: str, recompute: bool = False) -> None:
         """``fetch_sub_module`` / ``_fetch_sub_module_impl`` with a complete trace."""
         ps = self.params_of(u)
         name = "(model)" if u < 0 else self.units[u].name
+        self.transient = 0
         self._gather(list(ps), phase, name, False, recompute)
         for p in ps:
             self.active.setdefault(p, set()).add(u)
-            self.inflight.discard(p)  # waited on
+            if p in self.inflight:  # waited on: a coalesced prefetch is copied out of its flat buffer
+                self.transient = max(self.transient, self.bundle.pop(p, 0))
+            self.inflight.discard(p)
         if phase == "backward" and not recompute:  # fetch_sub_module(forward=False)
             self.backward_units.setdefault(u)
         elif recompute and self.backward_units:
@@ -192,6 +211,7 @@ class _Coordinator:
         if p in self.available and p not in self.inflight and not self.active.get(p):
             self.available.discard(p)
             self.n_available -= self.numel[p]
+            self.live -= 0 if self.persistent[p] else self.padded[p]
 
     def release(self, u: int, backward: bool = False) -> None:
         """``release_sub_module``; after a backward (``forward=False``) the unit also releases the
@@ -218,21 +238,27 @@ class _Coordinator:
                 if not self.persistent[p]:
                     self._release_param(p)
 
-    def micro_step(self) -> None:
-        """One forward and backward with a complete trace: the hooks' events in order."""
+    def micro_step(self, observe: Callable[[str, int, str], None] | None = None) -> None:
+        """One forward and backward with a complete trace: the hooks' events in order (``observe``
+        is called after each with its kind, unit and phase)."""
         self.reset_step()
         for kind, u, phase, recompute in self.events:
             if kind == "fetch":
                 self.fetch(u, phase, recompute)
             else:
                 self.release(u, backward=phase == "backward" and not recompute)
+                self.transient = 0
+            if observe is not None:
+                observe(kind, u, phase)
         self.leftovers()
 
     def boundary(self) -> None:
         """``release_and_reset_all`` at the optimizer step, then the persistent parameters re-gathered."""
         self.inflight.clear()
         self.active.clear()
+        self.bundle.clear()
         self.available = {p for p in range(len(self.numel)) if self.persistent[p]}
+        self.live = 0
 
 
 def micro_step_events(units: list[FetchUnit], recompute_layers: bool = False) -> list[tuple[str, int, str, bool]]:

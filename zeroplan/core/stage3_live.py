@@ -1,0 +1,104 @@
+"""Stage 3's gathered parameters live at each point of the backward, from the coordinator replay.
+
+``core/stage3_fetch.py`` replays DeepSpeed 0.19.8's ``PartitionedParameterCoordinator`` to count its
+all-gathers. The same replay knows which parameters are available (gathered, or in flight from a
+prefetch) after every hook, so it also gives the gathered bytes beside each moment of the backward
+(``core/backward_moments.py``), instead of one maximum stacked on the activations' peak:
+- at the head's backward, every parameter the forward left gathered (within
+  ``stage3_max_reuse_distance`` of its next use, or marked by the prefetcher's skip of an
+  available parameter) is still there;
+- each layer's backward releases what it will not use again, and prefetches what comes next;
+- a coalesced gather that is waited on is copied out of its flat buffer parameter by parameter
+  (``AllGatherCoalescedHandle.wait``): for that moment the flat buffer is live twice.
+
+Measured: real DeepSpeed 0.19.8 on CPU (2 layers of Llama-2-7B, rank 0 of 8) holds 1,333,788,672
+gathered bytes at the lm_head's backward, which is what this replay gives, to the byte
+(tests/test_stage3_live.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from zeroplan.core.stage3_fetch import FetchUnit, _Coordinator, micro_step_events
+
+if TYPE_CHECKING:  # layout.py imports stage3_fetch; a Layout is only read here
+    from zeroplan.core.layout import Layout
+
+__all__ = ["BackwardGathered", "backward_gathered", "replay_inputs"]
+
+
+@dataclass(frozen=True)
+class BackwardGathered:
+    """Padded elements of gathered, non-persistent parameters live in the backward (the largest at
+    any hook of each part, coalesced flat buffers being copied out included)."""
+
+    head: int  # from the backward's start to the first decoder layer's hook (lm_head, final norm)
+    layers: tuple[int, ...]  # per layer, top first (index = layers back-propagated before it)
+    bottom: int  # after the last decoder layer (the embeddings)
+
+
+def replay_inputs(layout: Layout, tl: Layout, no_backward: frozenset[str]) -> tuple[
+        tuple[int, ...], tuple[int, ...], tuple[bool, ...], tuple[FetchUnit, ...], tuple[bool, ...]]:
+    """What the coordinator replay reads of a layout: per tensor its numel, padded numel, persistence
+    and whether it is frozen (not in ``tl``, the trainable layout), and the fetch units with their
+    backward flag. Kept on the layout (``recommend``'s search plans one layout at many points)."""
+    key = (no_backward, tuple(t.name for t in tl.tensors))
+    cache = layout.__dict__.setdefault("_replay_inputs", {})
+    if key not in cache:
+        pset = {t.name for t in layout.persistent_tensors}
+        trained = set(key[1])
+        cache[key] = (tuple(t.numel for t in layout.tensors), tuple(layout.padded(t.numel) for t in layout.tensors),
+                      tuple(t.name in pset for t in layout.tensors),
+                      tuple(replace(u, backward=u.name not in no_backward) for u in layout.units),
+                      tuple(t.name not in trained for t in layout.tensors))
+    return cache[key]
+
+
+def backward_gathered(layout: Layout, tl: Layout, no_backward: frozenset[str], *, max_live: int, prefetch_bucket: int,
+                      max_reuse: int, grad_accum: int, recompute_layers: bool) -> BackwardGathered:
+    """The gathered elements live through the backward of a steady micro-step (after a warm-up step,
+    as ``stage3_gathers``; with gradient accumulation the larger of the first two micro-steps)."""
+    key = ("backward_gathered", no_backward, tuple(t.name for t in tl.tensors), int(max_live), int(prefetch_bucket),
+           int(max_reuse), min(int(grad_accum), 2), bool(recompute_layers))
+    memo = layout.__dict__.setdefault("_backward_gathered", {})  # a layout is never mutated
+    if key not in memo:
+        numel, padded, persistent, units, frozen = replay_inputs(layout, tl, no_backward)
+        memo[key] = _gathered(numel, padded, persistent, units, frozen, *key[3:])
+    return memo[key]
+
+
+@lru_cache(maxsize=64)
+def _gathered(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple[bool, ...],
+              units: tuple[FetchUnit, ...], frozen: tuple[bool, ...], max_live: int, prefetch_bucket: int,
+              max_reuse: int, micro_steps: int, recompute_layers: bool) -> BackwardGathered:
+    events = micro_step_events(list(units), recompute_layers)
+    c = _Coordinator(list(numel), list(padded), list(persistent), events, list(units), max_live, prefetch_bucket,
+                     max_reuse, frozen=list(frozen))
+    c.boundary()
+    c.micro_step()  # the warm-up step fills __params_to_release's cache as DeepSpeed's first one does
+    c.boundary()
+    n_layers = 1 + max((u.layer for u in units if u.layer is not None), default=-1)
+    head, bottom, layers = 0, 0, [0] * n_layers
+    seen_layer = False
+
+    def observe(kind: str, u: int, phase: str) -> None:
+        nonlocal head, bottom, seen_layer
+        if phase != "backward":
+            return
+        now = c.live + c.transient
+        layer = units[u].layer if u >= 0 else None
+        if layer is not None:
+            seen_layer = True
+            done = n_layers - 1 - layer
+            layers[done] = max(layers[done], now)
+        elif seen_layer:
+            bottom = max(bottom, now)
+        else:
+            head = max(head, now)
+
+    for _ in range(micro_steps):
+        c.micro_step(observe)
+    return BackwardGathered(head=head, layers=tuple(layers), bottom=bottom)

@@ -53,23 +53,35 @@ class _State:
     side: tuple[int, ...] = (0, 0, 0, 0, 0, 0, 0)
     communicators: int = 2
     # the backward's moments (core/backward_moments.py): (activations, non-activation bytes, held bytes,
-    # layers done) each, in core.memory's order
-    moments: tuple[tuple[str, int, int, int], ...] = ()
+    # layers done, all-gather stream bytes, reduce-scatter stream bytes; -1: the phase's) each, in
+    # core.memory's order
+    moments: tuple[tuple[str, int, int, int, int, int], ...] = ()
     step_pinned: bool = False  # the step reads autograd's p.grad (core/memory.py grads_from_autograd)
+    # stage 3 under full checkpointing: the recomputation's fetches change the gathers through the backward
+    moments_full: tuple[tuple[str, int, int, int, int, int], ...] | None = None
 
 
-def _moments(m: Any) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """core/memory.py's backward moments from one evaluation: their activation kinds, and per moment the
-    non-activation live bytes, the held bytes (core/memory.py held_bytes) and the layers done."""
+def _moments(m: Any) -> tuple[tuple[tuple[str, int], ...], tuple[int, ...]]:
+    """core/memory.py's backward moments from one evaluation: their activation kinds with the layers
+    done, and per moment the non-activation live bytes, the held bytes (core/memory.py held_bytes) and
+    the bytes on the all-gather and reduce-scatter streams (-1: the phase's, core/backward_moments.py
+    side)."""
     f = m.phases["forward"].by_category
     base = f["params"] + f["optimizer_states"]
     kinds, values = [], []
     for mo in m.backward_moments:
         grads = max(f["gradients"], mo.gradients)
-        kinds.append(mo.activations)
+        kinds.append((mo.activations, mo.layers_done))  # composed only between points with the same moments
+        side = mo.side or {}
         values += [base + grads + mo.buffers, base + (0 if m.gradients_churned else grads) + mo.held_buffers,
-                   mo.layers_done]
+                   side.get("allgather", -1), side.get("reduce_scatter", -1)]
     return tuple(kinds), tuple(values)
+
+
+def _unpack(kinds: tuple, flat: tuple) -> tuple[tuple[str, int, int, int, int, int], ...]:
+    """``_moments``' kinds and values as (activations, non-activation bytes, held bytes, layers done,
+    all-gather stream bytes, reduce-scatter stream bytes) per moment."""
+    return tuple((kind, nonact, h, done, ag, r) for (kind, done), (nonact, h, ag, r) in zip(kinds, zip(*[iter(flat)] * 4)))
 
 
 def _entry_key(e: Any) -> tuple:
@@ -94,7 +106,8 @@ class _Family:
         self.corner = tuple(v[-1] for v in axes)
         self._mem: dict[tuple, tuple] = {}
         self._led: dict[tuple, tuple] = {}
-        self.mem_ok: bool | None = None if self.corner != self.base else True
+        # per recomputation flag (stage 3's gathered parameters through the backward depend on it)
+        self.mem_ok: dict[bool, bool | None] = {r: None if self.corner != self.base else True for r in (False, True)}
         self.led_ok: bool | None = None if self.corner != self.base else True
         self.direct_evals = 0
         self.direct_ledgers = 0
@@ -109,17 +122,20 @@ class _Family:
         return out
 
     # -- memory --
-    def _mem_direct(self, point: tuple) -> tuple:
-        if point not in self._mem:
+    def _mem_direct(self, point: tuple, recompute: bool = False) -> tuple:
+        """``recompute``: full checkpointing (stage 3's backward gathers follow the recomputation)."""
+        key = (point, recompute)
+        if key not in self._mem:
             self.direct_evals += 1
             zero = self.sw.zero(self.stage, point)
-            m = memory_for_stage(self.sw.spec, self.sw.ref_training, zero, self.sw.n, gpus_per_node=self.sw.gpn,
+            ref = self.sw.training(1, "full") if recompute else self.sw.ref_training
+            m = memory_for_stage(self.sw.spec, ref, zero, self.sw.n, gpus_per_node=self.sw.gpn,
                                  overhead=self.sw.overhead, layout=self.sw.layout(zero), flavour=self.sw.comm_model,
                                  finetune=self.sw.inp.finetune, train_layout=self.sw.train_layout(zero))
             f = m.phases["forward"].by_category
             st = m.phases["step"].by_category
             kinds, moments = _moments(m)
-            self._mem[point] = (kinds, f["params"] + f["gradients"] + f["optimizer_states"] + f["buffers"],
+            self._mem[key] = (kinds, f["params"] + f["gradients"] + f["optimizer_states"] + f["buffers"],
                                 sum(st.values()), m.host.per_node_bytes, m.host.nvme_per_node_bytes,
                                 m.buffers_detail.get("gathered_params_forward", 0),
                                 m.buffers_detail.get("gathered_params_backward", 0),
@@ -127,30 +143,31 @@ class _Family:
                                 m.buffers_detail.get("allreduce_flatten", 0)
                                 if self.stage in (1, 2) and zero.overlap_comm else 0,
                                 m.step_transient_bytes, m.held_bytes["forward"], m.held_bytes["step"], *moments)
-        return self._mem[point]
+        return self._mem[key]
 
-    def _mem_composed(self, point: tuple) -> tuple | None:
+    def _mem_composed(self, point: tuple, recompute: bool = False) -> tuple | None:
         """The base plus each single-axis variant's difference; None where a variant has other backward
         moments than the base (then nothing composes)."""
-        base = self._mem_direct(self.base)
+        base = self._mem_direct(self.base, recompute)
         acc = list(base[1:])
         for q in self._singles(point):
-            d = self._mem_direct(q)
+            d = self._mem_direct(q, recompute)
             if d[0] != base[0]:
                 return None
             acc = [a + (x - y) for a, x, y in zip(acc, d[1:], base[1:])]
         return (base[0], *acc)
 
-    def memory(self, point: tuple) -> tuple:
-        if point in self._mem:
-            return self._mem[point]
-        if self.mem_ok is None:
-            self.mem_ok = self._mem_composed(self.corner) == self._mem_direct(self.corner)
-        if self.mem_ok and len(self._singles(point)) > 1:
-            composed = self._mem_composed(point)
+    def memory(self, point: tuple, recompute: bool = False) -> tuple:
+        if (point, recompute) in self._mem:
+            return self._mem[(point, recompute)]
+        if self.mem_ok[recompute] is None:
+            self.mem_ok[recompute] = (self._mem_composed(self.corner, recompute)
+                                      == self._mem_direct(self.corner, recompute))
+        if self.mem_ok[recompute] and len(self._singles(point)) > 1:
+            composed = self._mem_composed(point, recompute)
             if composed is not None:
                 return composed
-        return self._mem_direct(point)
+        return self._mem_direct(point, recompute)
 
     # -- ledger --
     def _led_direct(self, point: tuple, recompute: bool = False) -> tuple:
@@ -283,9 +300,15 @@ class _Sweep:
         return _State(stage=stage, off_opt=oo, off_par=op, rbs=rbs, prefetch=pf, hpz=hpz, zero=None,
                       na=(fwd, stp), host_per_node=host, nvme_per_node=nvme, deviation=dev, key=point,
                       side=tuple(side), communicators=communicators(self.zero(stage, point), stage, self.n),
-                      moments=tuple((k, *flat[3 * i:3 * i + 3]) for i, k in enumerate(kinds)),
+                      moments=_unpack(kinds, flat),
+                      moments_full=_unpack(*self._full_moments(fam, point)) if stage == 3 else None,
                       step_pinned=grads_from_autograd(state_plan(self.ref_training, stage, offload=oo != "none",
                                                                  flavour=self.comm_model).wrapper, stage))
+
+    @staticmethod
+    def _full_moments(fam: _Family, point: tuple) -> tuple[tuple, tuple]:
+        kinds, *rest = fam.memory(point, True)
+        return kinds, tuple(rest[11:])
 
     def peak(self, s: _State, mb: int, ckpt: str) -> int:
         """Exactly core.memory's peak: the caching allocator's pools over the phases' live bytes
@@ -296,12 +319,16 @@ class _Sweep:
         # core/memory.py _phases: the largest backward moment, the first on a tie, with its held bytes;
         # every activation term is exactly linear in the micro-batch
         act = self._act[ckpt]
-        at = [(nonact + mb * activation_at(act, kind, done), h) for kind, nonact, h, done in s.moments]
-        b_live, held_b = at[max(range(len(at)), key=lambda k: at[k][0])]
+        moments = s.moments_full if ckpt == "full" and s.moments_full is not None else s.moments
+        at = [(nonact + mb * activation_at(act, kind, done), h, ag, r) for kind, nonact, h, done, ag, r in moments]
+        b_live, held_b, ag_at, rs_at = at[max(range(len(at)), key=lambda k: at[k][0])]
         live = {"forward": fwd + mb * self.act_fwd[ckpt], "backward": b_live, "step": stp}
         held = {"forward": held_f, "backward": held_b, "step": held_s}
         pools = {"allgather": {"forward": ag_f, "backward": ag_b}, "reduce_scatter": {"backward": rs},
                  "reduction": {"backward": red}}
+        if ag_at >= 0:  # core/backward_moments.py set_backward_side: the streams' bytes at that moment
+            pools["allgather"].update(backward=ag_at, backward_max=max(m[4] for m in moments))
+            pools["reduce_scatter"].update(backward=rs_at, backward_max=max(m[5] for m in moments))
         o = self.overhead
         frag, expandable = float(o["fragmentation_fraction"]), self.inp.training.expandable_segments
         _, reserved, _ = reserved_bytes(live, pools, fragmentation_fraction=frag, expandable_segments=expandable,

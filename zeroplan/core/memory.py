@@ -31,12 +31,13 @@ from pydantic import BaseModel, Field
 
 from zeroplan.core.activations import ActivationBreakdown, activation_memory
 from zeroplan.core.allocator import communicators, release_under_pressure, required_bytes, reserved_bytes
-from zeroplan.core.backward_moments import BackwardMoment, activation_at, backward_moments
+from zeroplan.core.backward_moments import BackwardMoment, activation_at, backward_moments, set_backward_side
 from zeroplan.core.finetune import FineTuneViews
 from zeroplan.core.host_memory import HostMemory, host_memory
 from zeroplan.core.layout import Layout, zero_layout
 from zeroplan.core.memory_buffers import PHASES, GatherPeak, PhaseBuffers, phase_buffers
 from zeroplan.core.memory_states import model_state_bytes, state_plan
+from zeroplan.core.stage3_live import BackwardGathered, backward_gathered
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.model import ModelSpec
 from zeroplan.specs.training import TrainingSetup
@@ -127,8 +128,21 @@ def _phases(act: ActivationBreakdown, pb: Any, moments: list[BackwardMoment], gp
                  activation_at(act, m.activations, m.layers_done)) for m in moments]
     i = max(range(len(at)), key=lambda k: at[k].peak)
     pb.held["backward"] = moments[i].held_buffers
+    set_backward_side(pb.side, moments, i)
     stp = _phase(gpu_params, step_grads, gpu_opt, pb.step, 0)
     return {"forward": fwd, "backward": at[i], "step": stp}
+
+
+def _gathered(layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSetup,
+              finetune: FineTuneViews | None, flavour: str) -> BackwardGathered | None:
+    """Stage 3's gathered parameters through the backward, from the coordinator replay (DeepSpeed's
+    flavour; the paper's keeps its stacked buffers)."""
+    if int(zero.stage) != 3 or flavour == "paper":
+        return None
+    return backward_gathered(layout, tl, finetune.no_backward if finetune is not None else frozenset(),
+                             max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
+                             max_reuse=zero.max_reuse_distance, grad_accum=training.grad_accum,
+                             recompute_layers=training.checkpointing == "full")
 
 
 def _grads_outside_backward(stage: int, wrapper: str, grad_accum: int, grads_end: int, pb: Any) -> tuple[int, int]:
@@ -287,7 +301,8 @@ def memory_for_stage(
                        master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes,
                        activation_host_bytes=act.host_checkpoints)
     moments = backward_moments(pb, tl, stage=stage, off_opt=off_opt, b_c=training.precision.comm_bytes,
-                               bucket_elems=int(zero.reduce_bucket_size), grads_end=gpu_grads_end)
+                               bucket_elems=int(zero.reduce_bucket_size), grads_end=gpu_grads_end,
+                               b_p=training.precision.param_bytes, gathered=_gathered(layout, tl, zero, training, finetune, flavour))
     phases = _phases(act, pb, moments, gpu_params, gpu_opt, grads_fwd, step_grads)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 

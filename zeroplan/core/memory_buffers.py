@@ -117,11 +117,13 @@ def _stage3(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, b_g: int, b_c: i
     # stage3.py __reduce_and_partition_ipg_grads: reduce-scatter outputs on reduce_and_partition_stream
     d["reduce_scatter_temp"] = b_c * min(rbs, layout.padded_total_3)
     max_live = int(zero.max_live_parameters)
-    # frozen parameters are partitioned and gathered like any other (core/finetune.py)
-    sched = stage3_schedule(gather_layout, max_live=max_live,
-                            prefetch_bucket=int(zero.prefetch_bucket_size),
-                            max_reuse=int(zero.max_reuse_distance))
-    gf, gb = stage3_gather(gather_layout, sched, b_p, max_live)
+    # frozen parameters are partitioned and gathered like any other (core/finetune.py); kept on the
+    # layout (never mutated) per knob setting: recommend's search plans one layout at many points
+    key = ("stage3_gather", max_live, int(zero.prefetch_bucket_size), int(zero.max_reuse_distance), b_p)
+    if key not in gather_layout._memo:
+        sched = stage3_schedule(gather_layout, max_live=max_live, prefetch_bucket=key[2], max_reuse=key[3])
+        gather_layout._memo[key] = stage3_gather(gather_layout, sched, b_p, max_live)
+    gf, gb = gather_layout._memo[key]
     pb.gather_forward, pb.gather_backward = gf, gb
     if gf:
         d["gathered_params_forward"] = gf.total_bytes

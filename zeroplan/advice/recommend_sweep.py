@@ -307,8 +307,8 @@ class _Sweep:
 
     @staticmethod
     def _full_moments(fam: _Family, point: tuple) -> tuple[tuple, tuple]:
-        kinds, *rest = fam.memory(point, True)
-        return kinds, tuple(rest[11:])
+        kinds, _fwd, _stp, _host, _nvme, *rest = fam.memory(point, True)  # laid out as in state()
+        return kinds, tuple(rest[7:])
 
     def peak(self, s: _State, mb: int, ckpt: str) -> int:
         """Exactly core.memory's peak: the caching allocator's pools over the phases' live bytes

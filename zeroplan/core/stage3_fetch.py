@@ -211,11 +211,13 @@ class _Coordinator:
         if p in self.available and p not in self.inflight and not self.active.get(p):
             self.available.discard(p)
             self.n_available -= self.numel[p]
-            self.live -= 0 if self.persistent[p] else self.padded[p]
+            if not self.persistent[p]:
+                self.live -= self.padded[p]
 
     def release(self, u: int, backward: bool = False) -> None:
         """``release_sub_module``; after a backward (``forward=False``) the unit also releases the
         frozen parameters attributed to it by a recomputation, whatever the reuse distance."""
+        self.transient = 0  # only a fetch waits on a gather
         rel = self._to_release(u)
         ps = set(self.params_of(u))
         if backward:
@@ -247,7 +249,6 @@ class _Coordinator:
                 self.fetch(u, phase, recompute)
             else:
                 self.release(u, backward=phase == "backward" and not recompute)
-                self.transient = 0
             if observe is not None:
                 observe(kind, u, phase)
         self.leftovers()

@@ -13,13 +13,12 @@ prefetch) after every hook, so it also gives the gathered bytes beside each mome
 
 Measured: real DeepSpeed 0.19.8 on CPU (2 layers of Llama-2-7B, rank 0 of 8) holds 1,333,788,672
 gathered bytes at the lm_head's backward, which is what this replay gives, to the byte
-(tests/test_stage3_live.py).
+(tests/test_backward_moments.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from zeroplan.core.stage3_fetch import FetchUnit, _Coordinator, micro_step_events
@@ -70,7 +69,6 @@ def backward_gathered(layout: Layout, tl: Layout, no_backward: frozenset[str], *
     return memo[key]
 
 
-@lru_cache(maxsize=64)
 def _gathered(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple[bool, ...],
               units: tuple[FetchUnit, ...], frozen: tuple[bool, ...], max_live: int, prefetch_bucket: int,
               max_reuse: int, micro_steps: int, recompute_layers: bool) -> BackwardGathered:

@@ -1,12 +1,13 @@
 """What real DeepSpeed holds at its peak: every tensor storage over 1 MiB live at the largest total.
 
-Real DeepSpeed 0.19.8 as rank 0 of 8 on torch's fake process group (as replay.py), 2 layers of
-Llama-2-7B at full width, bf16, one ZeRO stage; the peak of the second step, taken when a new
+Real DeepSpeed 0.19.8 as rank 0 of 8 on torch's fake process group (as replay.py), 2 layers of a
+model at full width (Llama-2-7B unless MODEL names another catalog model or config file), bf16, one
+ZeRO stage; the peak of the second step, taken when a new
 allocation raises the live total. Each storage is named by the parameter it backs, if any, and by
 where it was allocated (phase and DeepSpeed frames), so the gathered parameters, DeepSpeed's
 buffers and the activations at that moment can be told apart.
 
-    python examples/validation/cpu-replay/peak_live.py STAGE MICRO_BATCH SEQ OUT.json
+    python examples/validation/cpu-replay/peak_live.py STAGE MICRO_BATCH SEQ OUT.json [MODEL]
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ def _frames(skip: int) -> list[str]:
     return keep[-4:]
 
 
-def main(stage: int, mb: int, seq: int, out: str) -> None:
+def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b") -> None:
     import deepspeed
 
     torch.set_num_threads(2)
-    spec = scaled_spec(load_model("llama-2-7b"), layers=LAYERS, hidden=None, vocab=None, experts=None)
+    spec = scaled_spec(load_model(model_name), layers=LAYERS, hidden=None, vocab=None, experts=None)
     _, fake_store = _private_apis()
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(N), "LOCAL_WORLD_SIZE": str(N),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
@@ -104,7 +105,7 @@ def main(stage: int, mb: int, seq: int, out: str) -> None:
         "environment": {"device": "cpu", "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                         "python": platform.python_version()},
         "command": "python examples/validation/cpu-replay/peak_live.py " + " ".join(sys.argv[1:]),
-        "inputs": {"model": "llama-2-7b", "layers": LAYERS, "rank": 0, "world": N, "stage": stage,
+        "inputs": {"model": model_name, "layers": LAYERS, "rank": 0, "world": N, "stage": stage,
                    "micro_batch": mb, "seq_len": seq, "precision": "bf16"},
         "peak_bytes": best["total"], "peak_phase": best.get("phase"),
         "live_over_1_MiB": live,
@@ -115,4 +116,4 @@ def main(stage: int, mb: int, seq: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])

@@ -73,7 +73,7 @@ def _moments(m: Any) -> tuple[tuple[tuple[str, int], ...], tuple[int, ...]]:
         grads = max(f["gradients"], mo.gradients)
         kinds.append((mo.activations, mo.layers_done))  # composed only between points with the same moments
         side = mo.side or {}
-        values += [base + grads + mo.buffers, base + (0 if m.gradients_churned else grads) + mo.held_buffers,
+        values += [base + grads + mo.autograd + mo.buffers, base + (0 if m.gradients_churned else grads) + mo.held_buffers,
                    side.get("allgather", -1), side.get("reduce_scatter", -1)]
     return tuple(kinds), tuple(values)
 

@@ -23,6 +23,15 @@ ZeRO stage 2 with contiguous gradients (DeepSpeed 0.19.8 ``stage_1_and_2.py``):
 - the epilogue flushes the last bucket with the activations gone.
 Every other stage keeps the two moments the plan always had: its buffers beside the activations'
 backward peak, and the gradients and buffers at the end.
+
+Autograd's own gradients (``autograd``, every stage; torch ``engine.cpp`` / ``input_buffer.cpp``):
+- lm_head's weight gradient exists before its hook copies it into DeepSpeed's bucket;
+- a tied weight (lm_head reading the embedding's Parameter) has one ``AccumulateGrad`` node fed by
+  both uses, so the engine keeps lm_head's contribution in the node's input buffer through the whole
+  backward, and at the embedding's backward adds the embedding's dense gradient to it out of place
+  (``accumulate``: ``old_var + var``): three weight-sized gradients at once, after which the sum is
+  what the hook (or ``p.grad``) receives. Measured on real DeepSpeed 0.19.8 (2 layers of Qwen2.5-3B,
+  ``examples/validation/cpu-replay/peak-live-tied-*.json``): this moment is the peak of stages 2 and 3.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from pydantic import BaseModel
 from zeroplan.core.layout import Layout
 from zeroplan.core.stage3_live import BackwardGathered
 
-__all__ = ["BackwardMoment", "activation_at", "backward_moments", "scatter_temp_elements", "set_backward_side", "stage2_flushes"]
+__all__ = ["BackwardMoment", "HeadGradients", "activation_at", "head_gradients", "backward_moments", "scatter_temp_elements", "set_backward_side", "stage2_flushes"]
 
 
 class BackwardMoment(BaseModel):
@@ -48,6 +57,9 @@ class BackwardMoment(BaseModel):
     layers_done: int = 0  # layers already back-propagated below the top ("layer")
     # bytes on each side stream's pool then (stage 3: "allgather", "reduce_scatter"); None: the phase's
     side: dict[str, int] | None = None
+    # gradients autograd holds then, not yet handed to DeepSpeed's hook (beside ``gradients``; they churn
+    # with the activations: core/memory.py held_bytes)
+    autograd: int = 0
 
 
 def activation_at(act: Any, kind: str, layers_done: int) -> int:
@@ -103,42 +115,144 @@ def scatter_temp_elements(sizes: list[int], n: int) -> int:
     return sum(-(-s // n) * n for s in sizes)
 
 
+class HeadGradients(BaseModel):
+    """Elements of the gradients autograd makes at the two ends of the backward, from the layout's spec."""
+
+    head: int  # lm_head's weight gradient: its own weight's, or the embedding's it is tied to
+    tied: int  # a trained weight lm_head shares with the embedding (0: untied, or frozen)
+    embed: int  # the embedding's gradient if it is the backward's last (the layout's first tensor), else 0
+
+
+def head_gradients(layout: Layout) -> HeadGradients:
+    """lm_head's, the tied weight's and the embedding's gradient elements (``layout`` holds the trained
+    parameters: a frozen weight has none). Without a per-tensor spec: the largest tensor after the
+    decoder layers as lm_head's, nothing tied."""
+    if "head_gradients" in layout._memo:
+        return layout._memo["head_gradients"]
+    numel = {t.name: t.numel for t in layout.tensors}
+    spec = layout._spec
+    head, tied = 0, 0
+    tied_to: set[str] = set()
+    for t in spec.tensors if spec is not None else ():
+        if t.role == "lm_head":
+            head = max(head, numel.get(t.tied_to or t.name, 0))
+            if t.tied_to is not None and t.tied_to in numel:
+                tied += numel[t.tied_to]
+                tied_to.add(t.tied_to)
+    if spec is None or not any(t.role == "lm_head" for t in spec.tensors):
+        head = _head_numel(layout)
+    first = layout.tensors[0] if layout.tensors else None
+    roles = {t.name: t.role for t in spec.tensors} if spec is not None else {}
+    embed = first.numel if first is not None and roles.get(first.name) in ("embed", "pos_embed") else 0
+    out = HeadGradients(head=head, tied=tied, embed=embed)
+    layout._memo["head_gradients"] = out
+    return out
+
+
 def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: int, bucket_elems: int,
-                     grads_end: int, b_p: int = 2, gathered: BackwardGathered | None = None) -> list[BackwardMoment]:
+                     grads_end: int, b_p: int = 2, gathered: BackwardGathered | None = None, overlap: bool = False,
+                     grads_in_p_grad: bool = False) -> list[BackwardMoment]:
     """The moments of one backward (``pb``: core.memory_buffers.PhaseBuffers; ``gathered``: stage 3's
-    gathered parameters through the backward, core/stage3_live.py)."""
+    gathered parameters through the backward, core/stage3_live.py; ``overlap``: ``overlap_comm``;
+    ``grads_in_p_grad``: the gradients kept to the step are autograd's ``p.grad``, core/memory.py
+    grads_from_autograd)."""
     held = pb.held.get("backward", 0)
     ipg = pb.detail.get("ipg_bucket", 0)
+    hg = head_gradients(layout)
     if stage == 3 and gathered is not None and ipg:
-        return _stage3(pb, layout, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, grads_end=grads_end, gathered=gathered)
+        return _stage3(pb, layout, hg, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, grads_end=grads_end,
+                       gathered=gathered)
     if stage != 2 or off_opt != "none" or not ipg:  # ipg_bucket: contiguous gradients
-        return [BackwardMoment(what="backward start", buffers=pb.backward, held_buffers=held, gradients=0,
-                               activations="peak"),
-                BackwardMoment(what="backward end", buffers=pb.backward, held_buffers=held, gradients=grads_end,
-                               activations="none")]
+        return _two_ends(pb, hg, stage=stage, grads_end=grads_end, b_p=b_p, overlap=overlap, kept=grads_in_p_grad,
+                         offload=off_opt != "none")
     flushes, last = stage2_flushes(layout, bucket_elems)
+    by_embed = _embedding_flush(hg, layout, bucket_elems)
+    regular = flushes[:-1] if by_embed else flushes
     lazy = ipg + pb.detail.get("allreduce_flatten", 0) + pb.detail.get("gradient_partition_whole_params", 0)
     other, other_held = pb.backward - lazy, held - ipg
+    kept = b_p * hg.tied  # the tied gradient autograd holds from lm_head's backward to the embedding's
     out = [BackwardMoment(what="head backward (before the first gradient hook)", buffers=other, held_buffers=other_held,
                           gradients=0, activations="head"),
-           BackwardMoment(what="top layer backward, ipg bucket allocated", buffers=other + ipg, held_buffers=held,
-                          gradients=0, activations="layer")]
-    if flushes:
-        (first, d1), later = flushes[0], flushes[1:]
+           BackwardMoment(what="lm_head's gradient hook (ipg bucket allocated, the gradient copied in)",
+                          buffers=other + ipg, held_buffers=held, gradients=0, activations="layer",
+                          autograd=b_p * hg.head)]
+    if regular:
+        (first, d1), later = regular[0], regular[1:]
         out.append(BackwardMoment(what="first bucket flush (flatten copy)", buffers=other + ipg + b_c * first,
-                                  held_buffers=held, gradients=0, activations="layer", layers_done=d1))
+                                  held_buffers=held, gradients=0, activations="layer", layers_done=d1, autograd=kept))
         out.append(BackwardMoment(what="after the first flush (grads_in_partition allocated)", buffers=other + ipg,
-                                  held_buffers=held, gradients=grads_end, activations="layer", layers_done=d1))
+                                  held_buffers=held, gradients=grads_end, activations="layer", layers_done=d1,
+                                  autograd=kept))
         if later:  # the highest activations among them are the earliest's; the largest flatten among them
             out.append(BackwardMoment(what="later bucket flushes", buffers=other + ipg + b_c * max(e for e, _ in later),
                                       held_buffers=held, gradients=grads_end, activations="layer",
-                                      layers_done=later[0][1]))
+                                      layers_done=later[0][1], autograd=kept))
+    grads = grads_end if regular else 0
+    for what, flush, autograd in _embedding_moments(hg, b_p, b_c * sum(by_embed) if by_embed else None):
+        out.append(BackwardMoment(what=what, buffers=other + ipg + flush, held_buffers=held, gradients=grads,
+                                  activations="none", autograd=autograd))
     out.append(BackwardMoment(what="backward end (epilogue flush)", buffers=other + ipg + b_c * last, held_buffers=held,
                               gradients=grads_end, activations="none"))
     return out
 
 
-def _stage3(pb: Any, layout: Layout, *, b_c: int, b_p: int, bucket_elems: int, grads_end: int,
+def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: int, overlap: bool, kept: bool,
+              offload: bool) -> list[BackwardMoment]:
+    """Every other stage: its buffers beside the activations' backward peak, and the gradients and
+    buffers at the end; a tied weight's gradient held between them. Stages 0-1 without ``overlap_comm``
+    reduce after autograd's backward (engine.py ``allreduce_gradients``, stage_1_and_2.py
+    ``reduce_gradients``), so their flatten copy exists only at the end; and stage 1 with contiguous
+    gradients (an ipg bucket) moves each ``p.grad`` into the bucket before a flush copies it
+    (``reduce_independent_p_g_buckets_and_remove_grads``), so its flatten copy never adds to the
+    gradients either, and its bucket is allocated at the first gradient hook (``process_gradients``
+    ``setup_buckets``), after the head's backward. Where the gradient kept is ``p.grad`` (``kept``) the
+    tied sum becomes it (counted in the gradients at the end)."""
+    held = pb.held.get("backward", 0)
+    flatten = pb.detail.get("allreduce_flatten", 0) if stage <= 1 and not overlap else 0
+    during = pb.backward - flatten
+    ipg = pb.detail.get("ipg_bucket", 0) if stage == 1 and not overlap and not offload else 0
+    end = pb.backward - (flatten if ipg else 0)
+    if ipg:  # lm_head's gradient is its p.grad from the first hook on
+        out = [BackwardMoment(what="head backward (before the first gradient hook)", buffers=during - ipg,
+                              held_buffers=held - ipg, gradients=0, activations="head"),
+               BackwardMoment(what="top layer backward (ipg bucket allocated at lm_head's hook)", buffers=during,
+                              held_buffers=held, gradients=0, activations="layer", autograd=b_p * hg.head)]
+    else:
+        out = [BackwardMoment(what="backward start", buffers=during, held_buffers=held, gradients=0,
+                              activations="peak")]
+        if hg.tied:  # lm_head's share of the tied gradient, held to the embedding's backward
+            out.append(BackwardMoment(what="top layer backward (lm_head's tied gradient held)", buffers=during,
+                                      held_buffers=held, gradients=0, activations="layer", autograd=b_p * hg.tied))
+    if hg.tied:
+        out.append(BackwardMoment(what="embedding backward (the tied gradient summed)", buffers=during,
+                                  held_buffers=held, gradients=grads_end, activations="none",
+                                  autograd=b_p * hg.tied * (2 if kept else 3)))
+    out.append(BackwardMoment(what="backward end", buffers=end, held_buffers=held, gradients=grads_end,
+                              activations="none"))
+    return out
+
+
+def _embedding_flush(hg: HeadGradients, layout: Layout, bucket_elems: int) -> list[int] | None:
+    """The tensor sizes of the bucket flushed by the embedding's gradient hook (its gradient overflows
+    the bucket, so it is the epilogue's alone), or None."""
+    flushes, last = _flushes(layout, bucket_elems)
+    return flushes[-1][0] if flushes and hg.embed and last == [hg.embed] else None
+
+
+def _embedding_moments(hg: HeadGradients, b_p: int, flush_bytes: int | None) -> list[tuple[str, int, int]]:
+    """(what, flush bytes, autograd bytes) at the embedding's backward: a tied weight's three gradients
+    (lm_head's share, the embedding's dense one and their sum), then, where the summed or own gradient
+    overflows the bucket, the flush its hook makes before copying it in."""
+    out = []
+    if hg.tied and hg.embed:
+        out.append(("embedding backward (the tied gradient summed)", 0, 3 * b_p * hg.tied))
+    if hg.embed:
+        out.append(("embedding's gradient hook" + (" (bucket flush)" if flush_bytes else ""), flush_bytes or 0,
+                    b_p * hg.embed))
+    return out
+
+
+def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, bucket_elems: int, grads_end: int,
             gathered: BackwardGathered) -> list[BackwardMoment]:
     """Stage 3 (DeepSpeed 0.19.8 ``stage3.py``): the ipg bucket lives from ``__init__``; each flush
     (``__reduce_and_partition_ipg_grads``) makes the reduce-scatter's interleaved copy of the bucket
@@ -148,30 +262,35 @@ def _stage3(pb: Any, layout: Layout, *, b_c: int, b_p: int, bucket_elems: int, g
     held = pb.held.get("backward", 0)
     other = pb.backward - pb.detail.get("gathered_params_backward", 0) - pb.detail.get("reduce_scatter_temp", 0)
     flushes, last = _flushes(layout, bucket_elems)
+    by_embed = _embedding_flush(hg, layout, bucket_elems)
     temp_at: dict[int, int] = {}
-    for sizes, done in flushes:
+    for sizes, done in flushes[:-1] if by_embed else flushes:
         temp_at[done] = max(temp_at.get(done, 0), b_c * scatter_temp_elements(sizes, layout.n))
+    kept = b_p * hg.tied
 
     def moment(what: str, g: int, temp: int, activations: str, done: int = 0, grads: int = 0,
-               extra: int = 0) -> BackwardMoment:
-        return BackwardMoment(what=what, buffers=other + b_p * g + temp + extra, held_buffers=held, gradients=grads,
-                              activations=activations, layers_done=done,
+               autograd: int = 0) -> BackwardMoment:
+        return BackwardMoment(what=what, buffers=other + b_p * g + temp, held_buffers=held, gradients=grads,
+                              activations=activations, layers_done=done, autograd=autograd,
                               side={"allgather": b_p * g, "reduce_scatter": temp})
 
     out = [moment("head backward (lm_head, final norm)", gathered.head, 0, "head"),
            # autograd's AccumulateGrad allocates lm_head's whole weight gradient before DeepSpeed's hook copies
            # it into the bucket (stage3.py reduce_partition_and_remove_grads); the logits and their fp32
            # gradients are freed by then: the activations are at least those of the top layer's backward
-           moment("lm_head weight gradient (before its hook)", gathered.head, 0, "layer", extra=b_p * _head_numel(layout))]
+           moment("lm_head weight gradient (before its hook)", gathered.head, 0, "layer", autograd=b_p * hg.head)]
     top = -1
     for done, g in enumerate(gathered.layers):
         temp = temp_at.get(done, 0)
         if b_p * g + temp > top:
             out.append(moment(f"backward of layer {len(gathered.layers) - 1 - done}" + (" (bucket flush)" if temp else ""),
-                              g, temp, "layer", done))
+                              g, temp, "layer", done, autograd=kept))
             top = b_p * g + temp
-    out.append(moment("backward end (epilogue flush)", gathered.bottom, b_c * scatter_temp_elements(last, layout.n),
-                      "none", grads=grads_end))
+    flush = b_c * scatter_temp_elements(by_embed, layout.n) if by_embed else None
+    for what, temp, autograd in _embedding_moments(hg, b_p, flush):
+        out.append(moment(what, gathered.bottom, temp, "none", autograd=autograd))
+    last_temp = b_c * scatter_temp_elements(last, layout.n)
+    out.append(moment("backward end (epilogue flush)", gathered.bottom, last_temp, "none", grads=grads_end))
     return out
 
 

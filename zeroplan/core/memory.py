@@ -122,12 +122,14 @@ def _phases(act: ActivationBreakdown, pb: Any, moments: list[BackwardMoment], gp
     (core/activations.py: with a transformers trace, the logits, their gradient and a recomputed layer
     are only stacked where they coexist); the backward is its largest moment (core/backward_moments.py:
     DeepSpeed's buffers beside the activations live when they are), the first on a tie. Sets
-    ``pb.held["backward"]`` to the held buffers of that moment."""
+    ``pb.held["backward"]`` to the held buffers of that moment and ``pb.churned["backward"]`` to the
+    gradients autograd holds then (counted as gradients)."""
     fwd = _phase(gpu_params, grads_fwd, gpu_opt, pb.forward, act.forward_peak)
-    at = [_phase(gpu_params, max(grads_fwd, m.gradients), gpu_opt, m.buffers,
+    at = [_phase(gpu_params, max(grads_fwd, m.gradients) + m.autograd, gpu_opt, m.buffers,
                  activation_at(act, m.activations, m.layers_done)) for m in moments]
     i = max(range(len(at)), key=lambda k: at[k].peak)
     pb.held["backward"] = moments[i].held_buffers
+    pb.churned["backward"] = moments[i].autograd
     set_backward_side(pb.side, moments, i)
     stp = _phase(gpu_params, step_grads, gpu_opt, pb.step, 0)
     return {"forward": fwd, "backward": at[i], "step": stp}
@@ -143,6 +145,16 @@ def _gathered(layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSe
                              max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
                              max_reuse=zero.max_reuse_distance, grad_accum=training.grad_accum,
                              recompute_layers=training.checkpointing == "full")
+
+
+def _moments(pb: Any, layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSetup,
+             finetune: FineTuneViews | None, flavour: str, grads_end: int, step_pinned: bool) -> list[BackwardMoment]:
+    """The backward's moments (core/backward_moments.py) for one stage's buffers ``pb``."""
+    return backward_moments(pb, tl, stage=int(zero.stage), off_opt=zero.optimizer_offload_device,
+                            b_c=training.precision.comm_bytes, bucket_elems=int(zero.reduce_bucket_size),
+                            grads_end=grads_end, b_p=training.precision.param_bytes,
+                            gathered=_gathered(layout, tl, zero, training, finetune, flavour),
+                            overlap=bool(zero.overlap_comm), grads_in_p_grad=step_pinned)
 
 
 def _grads_outside_backward(stage: int, wrapper: str, grad_accum: int, grads_end: int, pb: Any) -> tuple[int, int]:
@@ -178,17 +190,20 @@ def grads_from_autograd(wrapper: str, stage: int) -> bool:
     return wrapper in ("fp16_optimizer", "basic", "unsupported") or (wrapper == "zero" and stage == 1)
 
 
-def held_bytes(phases: dict[str, PhaseMemory], held_buffers: dict[str, int], step_pinned: bool) -> dict[str, int]:
+def held_bytes(phases: dict[str, PhaseMemory], held_buffers: dict[str, int], step_pinned: bool,
+               churned: dict[str, int] | None = None) -> dict[str, int]:
     """Per phase, the live bytes whose allocator segments fit them exactly (core/allocator.py: no
     split-segment slack): the parameters, the optimizer states and the gradient buffers DeepSpeed
     allocates once (stages 2–3's contiguous partition, BF16_Optimizer's fp32 gradients), and the
     buffers ``phase_buffers`` tags as held (ipg buckets, the step's same-size transients). Where the
     step's gradients are autograd's ``p.grad`` (``step_pinned``: FP16_Optimizer, ZeRO stage 1) they
-    are re-allocated every step in freed activation blocks, so they churn with the activations."""
+    are re-allocated every step in freed activation blocks, so they churn with the activations, as do
+    the gradients autograd holds before DeepSpeed's hooks take them (``churned``, per phase)."""
     out = {}
     for p in PHASES:
         c = phases[p].by_category
-        out[p] = c["params"] + c["optimizer_states"] + (0 if step_pinned else c["gradients"]) + held_buffers.get(p, 0)
+        grads = 0 if step_pinned else c["gradients"] - (churned or {}).get(p, 0)
+        out[p] = c["params"] + c["optimizer_states"] + grads + held_buffers.get(p, 0)
     return out
 
 
@@ -200,7 +215,7 @@ def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingS
     on a card of ``gpu_memory_bytes`` the cache gives way before an OOM (``release_under_pressure``)."""
     frag = float(overhead.get("fragmentation_fraction", 0.0)) if overhead else 0.0
     live = {p: phases[p].peak for p in PHASES}
-    held = held_bytes(phases, pb.held, step_pinned)
+    held = held_bytes(phases, pb.held, step_pinned, pb.churned)
     allocated, reserved, side = reserved_bytes(
         live, pb.side, fragmentation_fraction=frag,
         expandable_segments=training.expandable_segments, step_transient=pb.step_transient, held_by_phase=held)
@@ -300,15 +315,13 @@ def memory_for_stage(
     host = host_memory(tl, training, zero, stage, off_opt=off_opt, off_par=off_par, gpus_per_node=gpus_per_node,
                        master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes,
                        activation_host_bytes=act.host_checkpoints)
-    moments = backward_moments(pb, tl, stage=stage, off_opt=off_opt, b_c=training.precision.comm_bytes,
-                               bucket_elems=int(zero.reduce_bucket_size), grads_end=gpu_grads_end,
-                               b_p=training.precision.param_bytes, gathered=_gathered(layout, tl, zero, training, finetune, flavour))
+    step_pinned = grads_from_autograd(sp.wrapper, stage)
+    moments = _moments(pb, layout, tl, zero, training, finetune, flavour, gpu_grads_end, step_pinned)
     phases = _phases(act, pb, moments, gpu_params, gpu_opt, grads_fwd, step_grads)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 
     # ---- the caching allocator, CUDA context, NCCL (core/allocator.py) ----
     n_comm = communicators(zero, stage, n_gpus)
-    step_pinned = grads_from_autograd(sp.wrapper, stage)
     allocated, reserved, required, side, od = _device_figures(phases, pb, training, overhead, n_comm,
                                                               gpu_memory_bytes, step_pinned, notes)
     peak = reserved + od.get("cuda_context", 0) + od.get("nccl", 0)
@@ -340,7 +353,7 @@ def memory_for_stage(
         optimizer_impl=training.optimizer_impl if off_opt == "none" else "cpu-adam",
         optimizer_wrapper=sp.wrapper,
         step_transient_bytes=pb.step_transient,
-        held_bytes=held_bytes(phases, pb.held, step_pinned),
+        held_bytes=held_bytes(phases, pb.held, step_pinned, pb.churned),
         backward_moments=moments,
         gradients_churned=step_pinned,
         notes=notes,

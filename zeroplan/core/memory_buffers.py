@@ -53,6 +53,9 @@ class PhaseBuffers:
     # held (ipg buckets, the hpZ secondary partition), or re-requested at their own size every step
     # (the step's transients: best fit hands back the block they freed). Included in the totals above.
     held: dict[str, int] = field(default_factory=dict)
+    # per phase, gradient bytes autograd holds before DeepSpeed's hooks take them (core/backward_moments.py
+    # autograd): counted as gradients, but churned with the activations, never held
+    churned: dict[str, int] = field(default_factory=dict)
 
 
 def _prefetch(sizes: list[int], j: int, room: int) -> int:

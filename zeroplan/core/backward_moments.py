@@ -21,8 +21,9 @@ ZeRO stage 2 with contiguous gradients (DeepSpeed 0.19.8 ``stage_1_and_2.py``):
 - ``copy_grads_in_partition`` allocates ``grads_in_partition`` (the whole parameters overlapping the
   rank's slice) after the first flush's reduction, when the flatten copy is already freed;
 - the epilogue flushes the last bucket with the activations gone.
-Every other stage keeps the two moments the plan always had: its buffers beside the activations'
-backward peak, and the gradients and buffers at the end.
+Stage 1 (its bucket from the first hook, its reduction after autograd's backward), stage 0 and the
+offload paths: the head's or the activations' backward peak, and the gradients and buffers at the end
+(``_two_ends``).
 
 Autograd's own gradients (``autograd``, every stage; torch ``engine.cpp`` / ``input_buffer.cpp``):
 - lm_head's weight gradient exists before its hook copies it into DeepSpeed's bucket;
@@ -31,7 +32,7 @@ Autograd's own gradients (``autograd``, every stage; torch ``engine.cpp`` / ``in
   backward, and at the embedding's backward adds the embedding's dense gradient to it out of place
   (``accumulate``: ``old_var + var``): three weight-sized gradients at once, after which the sum is
   what the hook (or ``p.grad``) receives. Measured on real DeepSpeed 0.19.8 (2 layers of Qwen2.5-3B,
-  ``examples/validation/cpu-replay/peak-live-tied-*.json``): this moment is the peak of stages 2 and 3.
+  ``examples/validation/cpu-replay/peak-live-tied-*.json``): this moment is the peak of stages 1, 2 and 3.
 """
 
 from __future__ import annotations
@@ -132,13 +133,11 @@ def head_gradients(layout: Layout) -> HeadGradients:
     numel = {t.name: t.numel for t in layout.tensors}
     spec = layout._spec
     head, tied = 0, 0
-    tied_to: set[str] = set()
     for t in spec.tensors if spec is not None else ():
         if t.role == "lm_head":
             head = max(head, numel.get(t.tied_to or t.name, 0))
-            if t.tied_to is not None and t.tied_to in numel:
-                tied += numel[t.tied_to]
-                tied_to.add(t.tied_to)
+            if t.tied_to is not None:
+                tied += numel.get(t.tied_to, 0)
     if spec is None or not any(t.role == "lm_head" for t in spec.tensors):
         head = _head_numel(layout)
     first = layout.tensors[0] if layout.tensors else None
@@ -170,7 +169,7 @@ def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: 
     regular = flushes[:-1] if by_embed else flushes
     lazy = ipg + pb.detail.get("allreduce_flatten", 0) + pb.detail.get("gradient_partition_whole_params", 0)
     other, other_held = pb.backward - lazy, held - ipg
-    kept = b_p * hg.tied  # the tied gradient autograd holds from lm_head's backward to the embedding's
+    held_tied = b_p * hg.tied  # the tied gradient autograd holds from lm_head's backward to the embedding's
     out = [BackwardMoment(what="head backward (before the first gradient hook)", buffers=other, held_buffers=other_held,
                           gradients=0, activations="head"),
            BackwardMoment(what="lm_head's gradient hook (ipg bucket allocated, the gradient copied in)",
@@ -179,14 +178,14 @@ def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: 
     if regular:
         (first, d1), later = regular[0], regular[1:]
         out.append(BackwardMoment(what="first bucket flush (flatten copy)", buffers=other + ipg + b_c * first,
-                                  held_buffers=held, gradients=0, activations="layer", layers_done=d1, autograd=kept))
+                                  held_buffers=held, gradients=0, activations="layer", layers_done=d1, autograd=held_tied))
         out.append(BackwardMoment(what="after the first flush (grads_in_partition allocated)", buffers=other + ipg,
                                   held_buffers=held, gradients=grads_end, activations="layer", layers_done=d1,
-                                  autograd=kept))
+                                  autograd=held_tied))
         if later:  # the highest activations among them are the earliest's; the largest flatten among them
             out.append(BackwardMoment(what="later bucket flushes", buffers=other + ipg + b_c * max(e for e, _ in later),
                                       held_buffers=held, gradients=grads_end, activations="layer",
-                                      layers_done=later[0][1], autograd=kept))
+                                      layers_done=later[0][1], autograd=held_tied))
     grads = grads_end if regular else 0
     for what, flush, autograd in _embedding_moments(hg, b_p, b_c * sum(by_embed) if by_embed else None):
         out.append(BackwardMoment(what=what, buffers=other + ipg + flush, held_buffers=held, gradients=grads,
@@ -266,7 +265,7 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
     temp_at: dict[int, int] = {}
     for sizes, done in flushes[:-1] if by_embed else flushes:
         temp_at[done] = max(temp_at.get(done, 0), b_c * scatter_temp_elements(sizes, layout.n))
-    kept = b_p * hg.tied
+    held_tied = b_p * hg.tied
 
     def moment(what: str, g: int, temp: int, activations: str, done: int = 0, grads: int = 0,
                autograd: int = 0) -> BackwardMoment:
@@ -284,7 +283,7 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
         temp = temp_at.get(done, 0)
         if b_p * g + temp > top:
             out.append(moment(f"backward of layer {len(gathered.layers) - 1 - done}" + (" (bucket flush)" if temp else ""),
-                              g, temp, "layer", done, autograd=kept))
+                              g, temp, "layer", done, autograd=held_tied))
             top = b_p * g + temp
     flush = b_c * scatter_temp_elements(by_embed, layout.n) if by_embed else None
     for what, temp, autograd in _embedding_moments(hg, b_p, flush):

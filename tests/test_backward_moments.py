@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 
 from zeroplan.bench.validate import _zero_config, predict, scaled_spec
-from zeroplan.core.backward_moments import activation_at, stage2_flushes
+from zeroplan.core.backward_moments import stage2_flushes
 from zeroplan.core.layout import Layout, Tensor, build_layout
 from zeroplan.core.stage3_live import backward_gathered
 from zeroplan.specs.model import load_model
+
+from plan_moments import winner as _winner
 
 REPLAY = Path(__file__).resolve().parents[1] / "examples" / "validation" / "cpu-replay"
 
@@ -57,16 +59,6 @@ def test_the_stage2_peak_is_the_moment_real_deepspeed_peaks_at():
     # below by what the bundled model keeps beyond the transformers trace (its forward peak is 11% above
     # the trace's too): 666 MB of 7.14 GB of activations
     assert -0.08 < p.memory.allocated / _measured("deepspeed-stages-b4-s2048.json") - 1 < 0
-
-
-def _winner(plan):
-    m = plan.memory
-    act = m.activations_detail
-    grads_fwd = m.phases["forward"].by_category["gradients"]  # stage 3's partition lives through the forward
-    live = [m.params + m.optimizer_states + mo.buffers + max(grads_fwd, mo.gradients) + mo.autograd
-            + activation_at(act, mo.activations, mo.layers_done) for mo in m.backward_moments]
-    assert max(live) == m.phases["backward"].peak
-    return m.backward_moments[live.index(max(live))]
 
 
 def test_stage0_keeps_its_buffers_beside_the_activation_peak_but_not_its_flatten_copy():

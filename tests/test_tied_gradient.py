@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from zeroplan.bench.validate import _zero_config, predict, scaled_spec
-from zeroplan.core.backward_moments import activation_at, head_gradients
+from zeroplan.core.backward_moments import head_gradients
 from zeroplan.core.layout import build_layout
 from zeroplan.specs.model import load_model
+
+from plan_moments import winner
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLAY = ROOT / "examples" / "validation" / "cpu-replay"
@@ -82,11 +84,7 @@ def test_three_tied_gradients_set_real_deepspeeds_peak(stage):
     plan = predict(_spec(), _zero_config(stage, None), precision="bf16", micro_batch=1, seq_len=512, n=8, grad_accum=1)
     m = plan.memory
     assert m.peak_phase == "backward"
-    grads_fwd = m.phases["forward"].by_category["gradients"]
-    live = [m.params + m.optimizer_states + mo.buffers + max(grads_fwd, mo.gradients) + mo.autograd
-            + activation_at(m.activations_detail, mo.activations, mo.layers_done) for mo in m.backward_moments]
-    win = m.backward_moments[live.index(max(live))]
-    assert max(live) == m.phases["backward"].peak
+    win = winner(plan)
     assert win.what.startswith("embedding backward (the tied gradient summed)")
     assert win.autograd == (2 if stage == 1 else 3) * TIED_BYTES
     assert m.phases["backward"].by_category["gradients"] >= 3 * TIED_BYTES

@@ -46,15 +46,16 @@ from typing import Any
 import torch
 import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 ROOT = Path(__file__).resolve().parents[2]
 CATALOG = ROOT / "zeroplan" / "specs" / "catalog"
 DATA = ROOT / "zeroplan" / "core" / "activation_data.json"
 if str(ROOT) not in sys.path:  # the feature definition is zeroplan's own (core/activations.py)
     sys.path.insert(0, str(ROOT))
+if str(Path(__file__).parent) not in sys.path:  # live.py: how a run is measured (shared with the tests)
+    sys.path.insert(0, str(Path(__file__).parent))
+
+from live import LayerMarks, Live, combine, run_measures  # noqa: E402
 
 # one catalog model per family (model_type)
 FAMILIES = {
@@ -71,59 +72,6 @@ FAMILIES = {
 }
 SEQS = (61, 67)  # (and HELD_OUT_SEQ = 71) primes: no weight dimension equals them, so shapes tell activations apart
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class _Live(TorchDispatchMode):
-    """Tracks the activation storages alive after every op (seq length in the shape)."""
-
-    def __init__(self, seq: int) -> None:
-        super().__init__()
-        self.seq = seq
-        self.live: dict[StorageWeakRef, int] = {}
-        self.peak = 0
-        self.region = "forward"
-        self.peaks: dict[str, int] = {}
-
-    def is_act(self, t: torch.Tensor) -> bool:
-        return any(d and d % self.seq == 0 for d in t.shape)
-
-    def add(self, t: torch.Tensor) -> None:
-        if isinstance(t, torch.Tensor) and self.is_act(t):
-            st = t.untyped_storage()
-            self.live[StorageWeakRef(st)] = st.nbytes()
-
-    def now(self) -> int:
-        for k in [k for k in self.live if k.expired()]:
-            del self.live[k]
-        return sum(self.live.values())
-
-    def mark(self, region: str) -> int:
-        cur = self.now()
-        self.region = region
-        self.peaks[region] = max(self.peaks.get(region, 0), cur)
-        return cur
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            self.add(t)
-        cur = self.now()
-        self.peaks[self.region] = max(self.peaks.get(self.region, 0), cur)
-        return out
-
-
-def _start(marks: dict[str, int], tracker: _Live) -> None:
-    if "layer_start" not in marks:
-        marks["layer_start"] = tracker.mark("layer")
-
-
-def _fwd_mark(marks: dict[str, int], tracker: _Live, name: str, region: str) -> None:
-    if name not in marks:  # the first pass only, not checkpoint recomputation
-        marks[name] = tracker.mark(region)
-
-
-def _after(tracker: _Live) -> None:
-    tracker.mark("after_layer")
 
 
 def catalog_config(family: str) -> dict[str, Any]:
@@ -152,7 +100,7 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def trace_once(cfgd: dict[str, Any], *, layers: int, seq: int, dtype: str, attn: str, ckpt: bool) -> dict[str, int]:
-    """One fake forward+backward; bytes of each measure (see module doc)."""
+    """One fake forward+backward; bytes of each measure (see module doc and live.py)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build(cfgd, layers, attn, DTYPES[dtype])
         model.train()
@@ -163,54 +111,14 @@ def trace_once(cfgd: dict[str, Any], *, layers: int, seq: int, dtype: str, attn:
             model.gradient_checkpointing_enable()
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-        tracker = _Live(seq)
-        saved: dict[StorageWeakRef, int] = {}
-
-        def pack(x: torch.Tensor) -> torch.Tensor:
-            if tracker.is_act(x):
-                st = x.untyped_storage()
-                saved[StorageWeakRef(st)] = st.nbytes()
-            return x
-
+        marks = LayerMarks(Live(seq))
         dec = _decoder_layers(model)
-        marks: dict[str, int] = {}
-
-        def last_layer_hook(_mod, _inp, out):  # noqa: ANN001
-            t = out[0] if isinstance(out, tuple) else out
-            if t.requires_grad:
-                t.register_hook(lambda g: _start(marks, tracker))
-            return None
-
-        dec[-1].register_forward_hook(last_layer_hook)
-        dec[-1].register_forward_pre_hook(lambda _m, _i: _fwd_mark(marks, tracker, "fwd_layer_start", "fwd_layer"))
-        dec[-1].register_forward_hook(lambda _m, _i, _o: _fwd_mark(marks, tracker, "fwd_layer_end", "loss"))
+        dec[-1].register_forward_pre_hook(lambda _m, _i: marks.last_forward_start())
+        dec[-1].register_forward_hook(lambda _m, _i, out: marks.last_forward_end(out))
         if layers >= 2:
-            def prev_hook(_mod, _inp, out):  # noqa: ANN001
-                t = out[0] if isinstance(out, tuple) else out
-                if t.requires_grad:
-                    t.register_hook(lambda g: _after(tracker))
-                return None
-            dec[-2].register_forward_hook(prev_hook)
-        ids = torch.zeros((1, seq), dtype=torch.long)
-        with tracker:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-                out = model(input_ids=ids, labels=ids)
-            loss = out.loss
-            del out
-            end_forward = tracker.mark("head")
-            saved_bytes = sum(v for k, v in saved.items() if not k.expired())
-            loss.backward()
-            tracker.mark("done")
-    return {
-        "saved": saved_bytes,
-        "end_forward": end_forward,
-        "forward_peak": tracker.peaks["loss"],
-        "fwd_layer_start": marks["fwd_layer_start"],
-        "fwd_layer_peak": tracker.peaks["fwd_layer"],
-        "head_peak": tracker.peaks["head"],
-        "layer_start": marks["layer_start"],
-        "layer_peak": tracker.peaks["layer"],
-    }
+            dec[-2].register_forward_hook(lambda _m, _i, out: marks.previous_forward_end(out))
+        # the outputs other than the loss are dropped before backward, as the HF Trainer does
+        return run_measures(lambda ids: model(input_ids=ids, labels=ids).loss, marks, seq)
 
 
 # ---------------------------------------------------------------------------- fitting
@@ -299,22 +207,8 @@ def _rows(spec: Any, seq: int) -> dict[str, int]:
 
 def _measures(cfgd: dict[str, Any], seq: int, dtype: str, attn: str, ckpt: bool) -> dict[str, int]:
     """Per-layer and head quantities from a 1- and a 2-layer trace (see module doc)."""
-    one = trace_once(cfgd, layers=1, seq=seq, dtype=dtype, attn=attn, ckpt=ckpt)
-    two = trace_once(cfgd, layers=2, seq=seq, dtype=dtype, attn=attn, ckpt=ckpt)
-    layer = two["end_forward"] - one["end_forward"]
-    if two["saved"] - one["saved"] != layer:
-        raise RuntimeError(f"saved and live per-layer bytes differ: {two['saved'] - one['saved']} vs {layer}")
-    end = two["end_forward"]
-    return {
-        "layer": layer,
-        "head": one["end_forward"] - layer,
-        "loss_extra": two["forward_peak"] - end,
-        "fwd_layer_start_delta": two["fwd_layer_start"] - end,
-        "fwd_layer_extra": two["fwd_layer_peak"] - two["fwd_layer_start"],
-        "head_extra": two["head_peak"] - end,
-        "layer_start_delta": two["layer_start"] - end,
-        "layer_extra": two["layer_peak"] - two["layer_start"],
-    }
+    return combine(trace_once(cfgd, layers=1, seq=seq, dtype=dtype, attn=attn, ckpt=ckpt),
+                   trace_once(cfgd, layers=2, seq=seq, dtype=dtype, attn=attn, ckpt=ckpt))
 
 
 class NotLinear(RuntimeError):

@@ -6,14 +6,19 @@ the spec (tied tensors share one ``Parameter``), and a real ``forward(input_ids)
 (causal-LM cross-entropy, mean over tokens) that uses every parameter by its role:
 
 - embed (+ pos_embed), per layer: norm(s), attention (separate q/k/v or fused qkv split as
-  [q | k | v]; GQA by repeating kv heads; causal ``scaled_dot_product_attention``), o-proj,
-  MLP (gated or not, fused gate_up), MoE (router softmax + top-k experts), residual — parallel
-  (attention and MLP both read the block input) for gpt_neox / falcon / phi / gptj, else
-  sequential — then the final norm and the lm head.
-- Rotary position embeddings have no parameters and are omitted: this model exists to move
-  the right bytes (parameters, gradients, activations of the right shapes), not to reproduce
-  a checkpoint's outputs. Norms are LayerNorm when the norm owns a bias or the family uses
-  LayerNorm (gpt2, gpt_neox, falcon, phi), RMSNorm otherwise.
+  [q | k | v]; rotary embeddings on q and k; grouped-query heads through SDPA's ``enable_gqa``;
+  causal ``scaled_dot_product_attention``), o-proj, MLP (gated or not, fused gate_up, the family's
+  activation), MoE (router softmax + top-k experts), residual — parallel (attention and MLP both read
+  the block input) for gpt_neox / falcon / phi / gptj, else sequential — then the final norm, the lm
+  head and transformers' causal-LM loss.
+- It exists to move the right bytes (parameters, gradients, and the activations autograd keeps), not
+  to reproduce a checkpoint's outputs. Where transformers' code decides what autograd keeps, the
+  forward is written the same way: LlamaRMSNorm's one fp32 copy of its input, GemmaRMSNorm's fp32
+  product, rotary cos/sin made once per forward, ForCausalLMLoss's single upcast of the logits, the
+  base model's embedding output alive through the layers. For llama, mistral and qwen2 it keeps the
+  bytes of the planner's transformers trace exactly (tests/test_bundled_activations.py). Norms are
+  LayerNorm when the norm owns a bias or the family uses LayerNorm (gpt2, gpt_neox, falcon, phi),
+  RMSNorm otherwise.
 - Every holder module is *called* (``module(x)``), so forward pre/post hooks see every module
   in forward order (the ZeRO-3 engine gathers parameters from those hooks). An MoE expert
   that receives no token is still called on an empty batch, so it is gathered and gets a
@@ -21,7 +26,7 @@ the spec (tied tensors share one ``Parameter``), and a real ``forward(input_ids)
 
 The forward pass itself (the static plan by role, attention, MLP, MoE, the layer loop) is
 ``runtime/model_forward.py``. Conventions: shapes are element counts; ``numel`` sums are parameters (elements), not bytes.
-Initialisation is deterministic for a seed: weights N(0, 0.02), norm weights 1, biases 0.
+Initialisation is deterministic for a seed: weights N(0, 0.02), norm weights 1 (gemma's 0), biases 0.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ __all__ = ["build_model", "ZeroModel", "param_units", "resolve_dtype", "LAYERNOR
 LAYERNORM_FAMILIES = ("gpt2", "gpt_neox", "falcon", "phi", "gptj", "opt", "bloom")
 PARALLEL_FAMILIES = ("gpt_neox", "falcon", "phi", "gptj")
 _CONV1D_FAMILIES = ("gpt2",)  # HF Conv1D: weight [in, out]
+_NO_ROTARY_FAMILIES = ("gpt2", "opt", "bloom")  # learned positions (gpt2, opt) or ALiBi (bloom)
+# GemmaRMSNorm: the fp32 normalised input times (1 + weight) in fp32, then cast (the weight starts at 0)
+_PLUS_ONE_NORM_FAMILIES = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
 
 def _local_name(t: ParamTensor) -> str:
@@ -91,12 +99,14 @@ def _make_classes():
     class Holder(nn.Module):
         """Owns the parameters of one spec module; ``forward`` applies them by ``kind``."""
 
-        def __init__(self, kind: str, conv1d: bool = False, layernorm: bool = False, eps: float = 1e-5):
+        def __init__(self, kind: str, conv1d: bool = False, layernorm: bool = False, eps: float = 1e-5,
+                     plus_one: bool = False):
             super().__init__()
             self.kind = kind
             self.conv1d = conv1d
             self.layernorm = layernorm
             self.eps = eps
+            self.plus_one = plus_one
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if "base_layer" in self._modules:  # runtime/lora.py: peft's lora.Linear.forward
@@ -110,8 +120,13 @@ def _make_classes():
             if k == "norm":
                 if self.layernorm:
                     return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
-                var = x.float().pow(2).mean(-1, keepdim=True)
-                return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * w
+                # as transformers' LlamaRMSNorm.forward: ONE fp32 copy of the input, kept by both pow and
+                # the multiply (casting twice would keep two), the fp32 rsqrt, the 16-bit normalised x
+                xf = x.float()
+                normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+                if self.plus_one:  # GemmaRMSNorm.forward: the product in fp32 (it keeps the fp32 normalised x)
+                    return (normed * (1.0 + w.float())).type_as(x)
+                return w * normed.to(x.dtype)
             return _Linear.apply(x, w, b, self.conv1d)  # linear-like roles
 
     class TiedHead(nn.Module):
@@ -216,7 +231,8 @@ def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed
                 holder = TiedHead(holders[_owner_of(spec, t.tied_to)])
             else:
                 holder = Holder(t.role, conv1d=conv1d and t.role not in ("embed", "pos_embed", "norm", "lm_head"),
-                                layernorm=t.role == "norm" and (layernorm_family or t.module in bias_names), eps=eps)
+                                layernorm=t.role == "norm" and (layernorm_family or t.module in bias_names), eps=eps,
+                                plus_one=t.role == "norm" and spec.model_type in _PLUS_ONE_NORM_FAMILIES)
             parent = ensure(parent_path) if parent_path else root
             parent.add_module(leaf, holder)
             modules[t.module] = holder
@@ -228,7 +244,8 @@ def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed
         if t.tied_to is not None:
             by_name[t.name] = by_name[t.tied_to]
             continue
-        p = nn.Parameter(_initial_values(torch, t, local, gen).to(device=device, dtype=dtype))
+        p = nn.Parameter(_initial_values(torch, t, local, gen, getattr(holder, "plus_one", False))
+                         .to(device=device, dtype=dtype))
         holder.register_parameter(local, p)
         by_name[t.name] = p
         units.setdefault(t.module, []).append((t.name, p))
@@ -253,14 +270,28 @@ def _describe_root(root: Any, spec: ModelSpec, checkpointing: str) -> None:
     root.head_dim = spec.head_dim
     root.experts_per_token = spec.experts_per_token or 1
     root.parallel = spec.model_type in PARALLEL_FAMILIES
+    cfg = spec.hf_config or {}
+    # the activation transformers' ACT2FN picks for the family (gemma: hidden_activation, whose
+    # default is gelu_pytorch_tanh; gpt2: activation_function; falcon: activation)
+    if spec.model_type.startswith("gemma"):
+        root.hidden_act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    else:
+        root.hidden_act = cfg.get("hidden_act") or cfg.get("activation_function") or cfg.get("activation") or "gelu"
+    # rotary embeddings (no parameters): every family here but gpt2; a partial factor (phi:
+    # partial_rotary_factor, gpt_neox: rotary_pct) rotates that share of each head, as transformers does
+    factor = float(cfg.get("partial_rotary_factor") or cfg.get("rotary_pct") or 1.0)
+    no_rotary = spec.model_type in _NO_ROTARY_FAMILIES or bool(cfg.get("alibi"))
+    root.rotary_dims = 0 if no_rotary else int(spec.head_dim * factor)
+    root.rope_theta = float(cfg.get("rope_theta") or cfg.get("rotary_emb_base") or 10000.0)
 
 
-def _initial_values(torch: Any, t: ParamTensor, local: str, gen: Any) -> Any:
-    """fp32 initial values of tensor ``t``: biases 0, norm weights 1, other weights N(0, 0.02)."""
+def _initial_values(torch: Any, t: ParamTensor, local: str, gen: Any, plus_one: bool = False) -> Any:
+    """fp32 initial values of tensor ``t``: biases 0, norm weights 1 (0 where the norm scales by 1 + weight,
+    as GemmaRMSNorm), other weights N(0, 0.02)."""
     if local == "bias" or t.role == "norm" and local != "weight":
         return torch.zeros(t.shape, dtype=torch.float32) if local == "bias" else torch.ones(t.shape)
     if t.role == "norm":
-        return torch.ones(t.shape, dtype=torch.float32)
+        return (torch.zeros if plus_one else torch.ones)(t.shape, dtype=torch.float32)
     return torch.empty(t.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
 
 

@@ -145,11 +145,13 @@ def test_optimizer_step_temporaries_match_on_the_gpu(name):
     assert rows and all(r["measured"] == r["predicted"] for r in rows)
 
 
-CPU_REPLAY = GPU_DIR.parent / "cpu-replay"
+# the H200 runs replayed on CPU with the bundled model as it was on the H200 (before it kept transformers'
+# activations: tests/test_bundled_activations.py); cpu-replay/ itself holds the runs with the current model
+CPU_REPLAY = GPU_DIR.parent / "cpu-replay" / "h200-twins"
 
 
 def test_the_gpu_adds_two_cublas_workspaces_to_the_tensors():
-    """The same real-DeepSpeed runs replayed on CPU with every tensor storage counted (cpu-replay/): the H200's
+    """The same real-DeepSpeed runs replayed on CPU with every tensor storage counted (cpu-replay/h200-twins/): the H200's
     peak allocated is the CPU's tensor peak plus two 32 MiB cuBLAS workspaces (core/cublas_workspace.py).
     The rest (0.3-2.9 MB) is at most two 1 MiB cuBLASLt workspaces (one per thread where a GEMM takes the Lt
     path; torch's CUBLASLT_WORKSPACE_SIZE default, not planned) and the allocator's 512-byte rounding."""

@@ -281,7 +281,10 @@ def _describe_root(root: Any, spec: ModelSpec, checkpointing: str) -> None:
     # partial_rotary_factor, gpt_neox: rotary_pct) rotates that share of each head, as transformers does
     factor = float(cfg.get("partial_rotary_factor") or cfg.get("rotary_pct") or 1.0)
     no_rotary = spec.model_type in _NO_ROTARY_FAMILIES or bool(cfg.get("alibi"))
-    root.rotary_dims = 0 if no_rotary else int(spec.head_dim * factor)
+    # even: cos/sin repeat the rot/2 frequencies (a real checkpoint's rotary width always is; a tiny
+    # test model's odd width keeps its last dimension unrotated)
+    rot = int(spec.head_dim * factor)
+    root.rotary_dims = 0 if no_rotary else rot - rot % 2
     root.rope_theta = float(cfg.get("rope_theta") or cfg.get("rotary_emb_base") or 10000.0)
 
 

@@ -117,3 +117,15 @@ def test_full_checkpointing_keeps_the_traced_layer_inputs(family, monkeypatch):
     # the trace's layer inputs carry a causal mask (s² bytes) and the positions (8·s) besides
     assert diff["head"] in (-(SEQ * SEQ + 8 * SEQ), -(SEQ * SEQ + 8 * SEQ) - 448 * SEQ)
     assert set(diff) <= {"head", "fwd_layer_start_delta", "layer_extra"}
+
+
+@pytest.mark.parametrize("name", ["gelu_new", "gelu_fast", "gelu_pytorch_tanh"])
+def test_the_written_out_gelus_are_the_tanh_approximation(name):
+    """transformers' NewGELUActivation and FastGELUActivation are the tanh approximation written in Python
+    (so autograd keeps their intermediates); the bundled model writes them the same way, and they must
+    still compute that approximation."""
+    from types import SimpleNamespace
+
+    x = torch.linspace(-6, 6, 1001, dtype=torch.float64)
+    got = model_forward._act(SimpleNamespace(hidden_act=name), x, torch, torch.nn.functional)
+    assert torch.allclose(got, torch.nn.functional.gelu(x, approximate="tanh"), atol=1e-9)

@@ -244,7 +244,7 @@ def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed
         if t.tied_to is not None:
             by_name[t.name] = by_name[t.tied_to]
             continue
-        p = nn.Parameter(_initial_values(torch, t, local, gen, getattr(holder, "plus_one", False))
+        p = nn.Parameter(_initial_values(torch, t, local, gen, holder.plus_one)
                          .to(device=device, dtype=dtype))
         holder.register_parameter(local, p)
         by_name[t.name] = p

@@ -100,7 +100,7 @@ def _moe(root: Any, lay: dict, x: Any, torch: Any, F: Any) -> Any:
     return out.reshape(b, s, h)
 
 
-def rope_tables(root: Any, positions: Any, dtype: Any, torch: Any) -> tuple[Any, Any] | None:
+def _rope_tables(root: Any, positions: Any, dtype: Any, torch: Any) -> tuple[Any, Any] | None:
     """cos and sin of the rotary embedding, once per forward and shared by the layers, as transformers'
     LlamaRotaryEmbedding.forward makes them: fp32 inverse frequencies times the positions, the angles
     repeated to the rotary width, cos/sin cast to the activation dtype. None for a model without rotary
@@ -171,7 +171,7 @@ def _decoder(root: Any, torch: Any, F: Any, input_ids: Any) -> Any:
     embeds = pre["embed"](input_ids)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     x = embeds + pre["pos"](positions) if "pos" in pre else embeds
-    rope = rope_tables(root, positions, x.dtype, torch)
+    rope = _rope_tables(root, positions, x.dtype, torch)
     if getattr(root, "checkpointing", "none") == "full":
         from torch.utils.checkpoint import checkpoint
 

@@ -8,10 +8,17 @@ where it was allocated (phase and DeepSpeed frames), so the gathered parameters,
 buffers and the activations at that moment can be told apart.
 
     python examples/validation/cpu-replay/peak_live.py STAGE MICRO_BATCH SEQ OUT.json [MODEL]
+        [--world N] [--rank R] [--zero '{"reduce_bucket_size": 200000000}'] [--phase backward]
+
+``--world`` sets the data-parallel size (default 8), ``--rank`` the rank measured (default 0; on the
+fake group every rank runs alone, so any one can be), and ``--zero`` adds keys to the zero_optimization
+block (JSON), so a run can put a bucket inside one rank's partition or make a parameter outgrow it;
+``--phase`` takes the peak within one phase (forward, backward or step) instead of the whole step.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -29,7 +36,7 @@ from zeroplan.runtime.model import build_model
 from zeroplan.runtime.simulate import _private_apis
 from zeroplan.specs.model import load_model
 
-N, LAYERS, MIB = 8, 2, 1 << 20
+LAYERS, MIB = 2, 1 << 20
 
 
 def _frames(skip: int) -> list[str]:
@@ -42,18 +49,42 @@ def _frames(skip: int) -> list[str]:
     return keep[-4:]
 
 
-def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b") -> None:
+def _record_flushes(optimizer, flushes: list, active) -> None:
+    """Stages 1-2: per bucket reduction while ``active()`` (the measured step's backward), its elements and
+    the bytes each flatten made (``allreduce_bucket`` flattens the pieces it all-reduces; 0 where torch
+    returned a view)."""
+    reduce, flatten = optimizer.reduce_ipg_grads, optimizer.flatten
+
+    def _reduce(comm_dtype=None):
+        if active():
+            flushes.append({"elements": sum(b.elements for b in optimizer.ipg_buckets.values()), "copies": []})
+        return reduce(comm_dtype)
+
+    def _flatten(tensors):
+        out = flatten(tensors)
+        if active() and flushes:
+            shared = out.untyped_storage().data_ptr() == tensors[0].untyped_storage().data_ptr()
+            flushes[-1]["copies"].append({"pieces": [t.numel() for t in tensors],
+                                          "copied_bytes": 0 if shared else out.untyped_storage().nbytes()})
+        return out
+
+    optimizer.reduce_ipg_grads, optimizer.flatten = _reduce, _flatten
+
+
+def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b", world: int = 8,
+         zero: dict | None = None, phase: str | None = None, rank: int = 0) -> None:
     import deepspeed
 
+    N = world
     torch.set_num_threads(2)
     spec = scaled_spec(load_model(model_name), layers=LAYERS, hidden=None, vocab=None, experts=None)
     _, fake_store = _private_apis()
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(N), "LOCAL_WORLD_SIZE": str(N),
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(N), "LOCAL_WORLD_SIZE": str(N),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
     _disable_shm_comm_op()
-    dist.init_process_group("fake", rank=0, world_size=N, store=fake_store())
+    dist.init_process_group("fake", rank=rank, world_size=N, store=fake_store())
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg = make_ds_config(stage=stage, precision="bf16", micro_batch=mb, grad_accum=1, comms_logger=False)
+    cfg = make_ds_config(stage=stage, precision="bf16", micro_batch=mb, grad_accum=1, zero=zero, comms_logger=False)
     tr = StorageTracker()
     origin: dict[int, tuple[str, list[str]]] = {}
     best: dict = {"total": 0, "live": []}
@@ -71,7 +102,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
 
     def _add(category, host, nbytes, _o=add):
         _o(category, host, nbytes)
-        if measuring[0] and tr.ledger.total > best["total"]:
+        if measuring[0] and (phase is None or tr.phase == phase) and tr.ledger.total > best["total"]:
             best["total"] = tr.ledger.total
             if nbytes > MIB:  # a large allocation raised the peak: record what lives beside it
                 names = {id(p.untyped_storage()): n for n, p in engine.module.named_parameters()}
@@ -84,10 +115,13 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
         model = build_model(spec, "fp32", "cpu", seed=0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        flushes: list = []
+        if stage in (1, 2):
+            _record_flushes(engine.optimizer, flushes, lambda: measuring[0] and tr.phase == "backward")
         for step in range(2):
             if step == 1:
                 tr.reset_peaks()
-                best["total"] = tr.ledger.total
+                best["total"] = 0 if phase else tr.ledger.total
                 measuring[0] = True
             ids = torch.randint(0, spec.vocab_size, (mb, seq))
             tr.phase = "forward"
@@ -99,21 +133,36 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
             print(f"step {step} done", file=sys.stderr, flush=True)
     live = []
     for nbytes, key, name in sorted(best["live"], reverse=True):
-        phase, frames = origin.get(key, ("?", []))
-        live.append({"bytes": nbytes, "parameter": name, "allocated_in": phase, "frames": frames})
+        where, frames = origin.get(key, ("?", []))
+        live.append({"bytes": nbytes, "parameter": name, "allocated_in": where, "frames": frames})
     report = {
         "environment": {"device": "cpu", "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                         "python": platform.python_version()},
         "command": "python examples/validation/cpu-replay/peak_live.py " + " ".join(sys.argv[1:]),
-        "inputs": {"model": model_name, "layers": LAYERS, "rank": 0, "world": N, "stage": stage,
-                   "micro_batch": mb, "seq_len": seq, "precision": "bf16"},
+        "inputs": {"model": model_name, "layers": LAYERS, "rank": rank, "world": N, "stage": stage,
+                   "micro_batch": mb, "seq_len": seq, "precision": "bf16", "zero": zero or {},
+                   "phase": phase or "all"},
         "peak_bytes": best["total"], "peak_phase": best.get("phase"),
         "live_over_1_MiB": live,
     }
+    if flushes:
+        report["bucket_flushes"] = [f for f in flushes if f["elements"]]
     with open(out + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
     os.replace(out + ".tmp", out)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stage", type=int)
+    ap.add_argument("micro_batch", type=int)
+    ap.add_argument("seq", type=int)
+    ap.add_argument("out")
+    ap.add_argument("model", nargs="?", default="llama-2-7b")
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--zero", type=json.loads, default=None, help="extra zero_optimization keys (JSON)")
+    ap.add_argument("--phase", choices=("forward", "backward", "step"), default=None,
+                    help="the peak within this phase only (default: the whole step)")
+    a = ap.parse_args()
+    main(a.stage, a.micro_batch, a.seq, a.out, a.model, a.world, a.zero, a.phase, a.rank)

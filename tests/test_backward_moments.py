@@ -54,7 +54,11 @@ def test_the_stage2_peak_is_the_moment_real_deepspeed_peaks_at():
     assert win.what.startswith("first bucket flush")
     assert win.buffers - p.memory.buffers_detail["ipg_bucket"] == 971_014_144
     assert win.gradients == 0
-    assert 0 < p.memory.allocated / _measured("deepspeed-stages-b1-s512.json") - 1 < 0.02  # +1.3%
+    # the overflowing gradient (layer 0's v_proj, 33,554,432 bytes) is live beside the copy, as measured
+    # (peak_live.py 2 1 512 ... --phase backward); +2.0%: the plan puts layer 0's whole backward peak of
+    # activations beside a flush that runs once its MLP part is done
+    assert win.autograd == 33_554_432
+    assert 0 < p.memory.allocated / _measured("deepspeed-stages-b1-s512.json") - 1 < 0.025
     p = _stage2_plan(4, 2048)
     win = _winner(p)
     assert win.what.startswith("head backward") and win.buffers == 0

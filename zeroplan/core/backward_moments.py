@@ -150,11 +150,12 @@ def head_gradients(layout: Layout) -> HeadGradients:
 
 def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: int, bucket_elems: int,
                      grads_end: int, b_p: int = 2, gathered: BackwardGathered | None = None, overlap: bool = False,
-                     grads_in_p_grad: bool = False) -> list[BackwardMoment]:
+                     grads_in_p_grad: bool = False, multi_rank_flatten: bool = True) -> list[BackwardMoment]:
     """The moments of one backward (``pb``: core.memory_buffers.PhaseBuffers; ``gathered``: stage 3's
     gathered parameters through the backward, core/stage3_live.py; ``overlap``: ``overlap_comm``;
     ``grads_in_p_grad``: the gradients kept to the step are autograd's ``p.grad``, core/memory.py
-    grads_from_autograd)."""
+    grads_from_autograd; ``multi_rank_flatten``: stage 2 all-reduces a bucket's owner pieces together,
+    flattened (``reduce_scatter`` and ``use_multi_rank_bucket_allreduce``, Layout.flatten_copy_12))."""
     held = pb.held.get("backward", 0)
     ipg = pb.detail.get("ipg_bucket", 0)
     hg = head_gradients(layout)
@@ -164,35 +165,66 @@ def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: 
     if stage != 2 or off_opt != "none" or not ipg:  # ipg_bucket: contiguous gradients
         return _two_ends(pb, hg, stage=stage, grads_end=grads_end, b_p=b_p, overlap=overlap, kept=grads_in_p_grad,
                          offload=off_opt != "none")
-    flushes, last = stage2_flushes(layout, bucket_elems)
+    return _stage2(pb, layout, hg, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, grads_end=grads_end,
+                   copies=multi_rank_flatten)
+
+
+def _stage2(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, bucket_elems: int, grads_end: int,
+            copies: bool) -> list[BackwardMoment]:
+    """Stage 2 with contiguous gradients: the moments around the bucket's flushes (module docstring).
+    Each flush adds what it holds beside the bucket (``_flush_extra``); of the flushes after the first,
+    a moment is kept only where that exceeds every earlier one's (those stack on more activations)."""
+    held = pb.held.get("backward", 0)
+    ipg = pb.detail.get("ipg_bucket", 0)
+    flushes, last = _flushes(layout, bucket_elems)
+    buckets = [sizes for sizes, _ in flushes] + [last]
+    extra = [_flush_extra(sizes, span, layout, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, copies=copies)
+             for sizes, span in zip(buckets, layout.bucket_ranges_12(bucket_elems, "reverse"))]
+    # a flush runs in the hook of the gradient that overflows the bucket, before that gradient (autograd's
+    # own) is copied in: it is live beside the flush (the next bucket's first)
+    trigger = [b_p * nxt[0] for nxt in buckets[1:]] + [0]
     by_embed = _embedding_flush(hg, layout, bucket_elems)
     regular = flushes[:-1] if by_embed else flushes
     lazy = ipg + pb.detail.get("allreduce_flatten", 0) + pb.detail.get("gradient_partition_whole_params", 0)
     other, other_held = pb.backward - lazy, held - ipg
     held_tied = b_p * hg.tied  # the tied gradient autograd holds from lm_head's backward to the embedding's
+
+    def moment(what: str, flush: tuple[int, int], activations: str, done: int = 0, grads: int = 0,
+               autograd: int = 0) -> BackwardMoment:
+        return BackwardMoment(what=what, buffers=other + ipg + flush[0], held_buffers=held, gradients=grads,
+                              activations=activations, layers_done=done, autograd=autograd + flush[1])
+
     out = [BackwardMoment(what="head backward (before the first gradient hook)", buffers=other, held_buffers=other_held,
                           gradients=0, activations="head"),
-           BackwardMoment(what="lm_head's gradient hook (ipg bucket allocated, the gradient copied in)",
-                          buffers=other + ipg, held_buffers=held, gradients=0, activations="layer",
-                          autograd=b_p * hg.head)]
+           moment("lm_head's gradient hook (ipg bucket allocated, the gradient copied in)", (0, 0), "layer",
+                  autograd=b_p * hg.head)]
     if regular:
-        (first, d1), later = regular[0], regular[1:]
-        out.append(BackwardMoment(what="first bucket flush (flatten copy)", buffers=other + ipg + b_c * first,
-                                  held_buffers=held, gradients=0, activations="layer", layers_done=d1, autograd=held_tied))
-        out.append(BackwardMoment(what="after the first flush (grads_in_partition allocated)", buffers=other + ipg,
-                                  held_buffers=held, gradients=grads_end, activations="layer", layers_done=d1,
-                                  autograd=held_tied))
-        if later:  # the highest activations among them are the earliest's; the largest flatten among them
-            out.append(BackwardMoment(what="later bucket flushes", buffers=other + ipg + b_c * max(e for e, _ in later),
-                                      held_buffers=held, gradients=grads_end, activations="layer",
-                                      layers_done=later[0][1], autograd=held_tied))
+        d1 = regular[0][1]
+        out.append(moment("first bucket flush" + (" (flatten copy)" if extra[0][0] else ""), extra[0], "layer", d1,
+                          autograd=held_tied + trigger[0]))
+        out.append(moment("after the first flush (grads_in_partition allocated)", (0, 0), "layer", d1,
+                          grads=grads_end, autograd=held_tied))
+        top = 0
+        for (_, done), ex, trig in zip(regular[1:], extra[1:], trigger[1:]):
+            if sum(ex) + trig > top:
+                out.append(moment(f"bucket flush after {done} layers' backward" + (" (flatten copy)" if ex[0] else ""),
+                                  ex, "layer", done, grads=grads_end, autograd=held_tied + trig))
+                top = sum(ex) + trig
     grads = grads_end if regular else 0
-    for what, flush, autograd in _embedding_moments(hg, b_p, b_c * sum(by_embed) if by_embed else None):
-        out.append(BackwardMoment(what=what, buffers=other + ipg + flush, held_buffers=held, gradients=grads,
-                                  activations="none", autograd=autograd))
-    out.append(BackwardMoment(what="backward end (epilogue flush)", buffers=other + ipg + b_c * last, held_buffers=held,
-                              gradients=grads_end, activations="none"))
+    embed_extra = extra[len(flushes) - 1] if by_embed else None
+    for what, flush, autograd in _embedding_moments(hg, b_p, embed_extra):
+        out.append(moment(what, flush, "none", grads=grads, autograd=autograd))
+    out.append(moment("backward end (epilogue flush)", extra[-1], "none", grads=grads_end))
     return out
+
+
+def _flush_extra(sizes: list[int], span: tuple[int, int], layout: Layout, *, b_c: int, b_p: int, bucket_elems: int,
+                 copies: bool) -> tuple[int, int]:
+    """(flatten copy bytes, gradient bytes outside the bucket) a stage-2 flush holds beside the bucket. A
+    lone gradient larger than the bucket is never copied into it (``extra_large_param_to_reduce``): it is
+    reduced from autograd's own gradient, which lives until then."""
+    copy = b_c * layout.flatten_copy_12(*span, bucket_elems) if copies else 0
+    return copy, (b_p * sizes[0] if len(sizes) == 1 and sizes[0] > bucket_elems else 0)
 
 
 def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: int, overlap: bool, kept: bool,
@@ -238,16 +270,18 @@ def _embedding_flush(hg: HeadGradients, layout: Layout, bucket_elems: int) -> li
     return flushes[-1][0] if flushes and hg.embed and last == [hg.embed] else None
 
 
-def _embedding_moments(hg: HeadGradients, b_p: int, flush_bytes: int | None) -> list[tuple[str, int, int]]:
-    """(what, flush bytes, autograd bytes) at the embedding's backward: a tied weight's three gradients
-    (lm_head's share, the embedding's dense one and their sum), then, where the summed or own gradient
-    overflows the bucket, the flush its hook makes before copying it in."""
+def _embedding_moments(hg: HeadGradients, b_p: int, flush: tuple[int, int] | None
+                       ) -> list[tuple[str, tuple[int, int], int]]:
+    """(what, what the flush holds beside the bucket: (copy bytes, other bytes), autograd bytes) at the
+    embedding's backward: a tied weight's three gradients (lm_head's share, the embedding's dense one and
+    their sum), then, where the summed or own gradient overflows the bucket, the flush its hook makes
+    before copying it in (``flush``; None: no flush there)."""
     out = []
     if hg.tied and hg.embed:
-        out.append(("embedding backward (the tied gradient summed)", 0, 3 * b_p * hg.tied))
+        out.append(("embedding backward (the tied gradient summed)", (0, 0), 3 * b_p * hg.tied))
     if hg.embed:
-        out.append(("embedding's gradient hook" + (" (bucket flush)" if flush_bytes else ""), flush_bytes or 0,
-                    b_p * hg.embed))
+        out.append(("embedding's gradient hook" + (" (bucket flush)" if flush is not None and sum(flush) else ""),
+                    flush or (0, 0), b_p * hg.embed))
     return out
 
 
@@ -285,8 +319,8 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
             out.append(moment(f"backward of layer {len(gathered.layers) - 1 - done}" + (" (bucket flush)" if temp else ""),
                               g, temp, "layer", done, autograd=held_tied))
             top = b_p * g + temp
-    flush = b_c * scatter_temp_elements(by_embed, layout.n) if by_embed else None
-    for what, temp, autograd in _embedding_moments(hg, b_p, flush):
+    flush = (b_c * scatter_temp_elements(by_embed, layout.n), 0) if by_embed else None
+    for what, (temp, _), autograd in _embedding_moments(hg, b_p, flush):
         out.append(moment(what, gathered.bottom, temp, "none", autograd=autograd))
     last_temp = b_c * scatter_temp_elements(last, layout.n)
     out.append(moment("backward end (epilogue flush)", gathered.bottom, last_temp, "none", grads=grads_end))

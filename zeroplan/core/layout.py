@@ -214,6 +214,24 @@ class Layout:
             a = b
         return out
 
+    def flatten_copy_12(self, lo: int, hi: int, bucket_elems: int) -> int:
+        """Elements of the largest copy DeepSpeed makes to all-reduce the stage-1/2 bucket [lo, hi) with
+        contiguous gradients, ``reduce_scatter`` and ``use_multi_rank_bucket_allreduce`` (0.19.8
+        stage_1_and_2.py ``average_tensor``): the bucket is cut at owner-partition boundaries (one
+        owner's consecutive pieces merged into one), the pieces are packed into all-reduces flushed once
+        over ``reduce_bucket_size`` (``allreduce_and_scatter``), and ``allreduce_bucket`` flattens each
+        group. torch's ``flatten_dense_tensors`` returns a lone tensor as a view, so only a group of two
+        or more pieces is copied: a bucket inside one rank's partition makes no copy at all."""
+        part = self.partition_12
+        if hi - lo <= bucket_elems:  # one group (every bucket but a lone parameter larger than the size)
+            return hi - lo if (hi - 1) // part > lo // part else 0
+        best = run = count = 0
+        for piece in self.owner_slices_12(lo, hi):
+            run, count = run + piece, count + 1
+            if run > bucket_elems:
+                best, run, count = max(best, run if count > 1 else 0), 0, 0
+        return max(best, run if count > 1 else 0)
+
     @cached_property
     def persistent_padded(self) -> int:
         """Persistent params are stored whole, padded to a multiple of N (measured, DS 0.19.8)."""

@@ -154,7 +154,8 @@ def _moments(pb: Any, layout: Layout, tl: Layout, zero: ZeroConfig, training: Tr
                             b_c=training.precision.comm_bytes, bucket_elems=int(zero.reduce_bucket_size),
                             grads_end=grads_end, b_p=training.precision.param_bytes,
                             gathered=_gathered(layout, tl, zero, training, finetune, flavour),
-                            overlap=bool(zero.overlap_comm), grads_in_p_grad=step_pinned)
+                            overlap=bool(zero.overlap_comm), grads_in_p_grad=step_pinned,
+                            multi_rank_flatten=bool(zero.reduce_scatter and zero.use_multi_rank_bucket_allreduce))
 
 
 def _grads_outside_backward(stage: int, wrapper: str, grad_accum: int, grads_end: int, pb: Any) -> tuple[int, int]:

@@ -154,7 +154,7 @@ def _stage12(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Train
         d["ipg_bucket"] = b_g * rbs * (2 if overlap else 1)
         pb.backward += d["ipg_bucket"]
         pb.held["backward"] = d["ipg_bucket"]  # allocated at the first backward, kept (ipg_buffer)
-    d["allreduce_flatten"] = b_c * min(rbs, layout.params)
+    d["allreduce_flatten"] = b_c * _flatten_copy_12(layout, zero, stage, contiguous)
     pb.backward += d["allreduce_flatten"]
     if overlap:  # reduce_ipg_grads runs the reduction on reduction_stream
         pb.side["reduction"] = {"backward": d["allreduce_flatten"]}
@@ -170,6 +170,25 @@ def _stage12(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Train
             pb.backward += extra
             if training.grad_accum > 1:
                 pb.forward += extra
+
+
+def _flatten_copy_12(layout: Layout, zero: ZeroConfig, stage: int, contiguous: bool) -> int:
+    """Elements of the largest flatten copy a stage-1/2 bucket reduction makes. Contiguous gradients go
+    through ``average_tensor``: only a bucket spanning two owners' partitions (or a lone oversized
+    gradient cut into several pieces) is copied (``Layout.flatten_copy_12``), and nothing is copied with
+    ``reduce_scatter`` off (``gradient_reduction_w_predivide`` all-reduces the bucket in place) or
+    without the multi-rank all-reduce (each owner's merged piece is reduced in place). Without
+    contiguous gradients ``buffered_reduce_fallback`` flattens the bucket's gradients whatever their
+    owners."""
+    rbs = int(zero.reduce_bucket_size)
+    if not contiguous:
+        return min(rbs, layout.params)
+    if not (zero.reduce_scatter and zero.use_multi_rank_bucket_allreduce):
+        return 0
+    # the order the buckets fill: the hooks' (stage 2, overlap_comm), or parameter order after the
+    # backward (stage 1's reduce_gradients)
+    order = "forward" if stage == 1 and not zero.overlap_comm else "reverse"
+    return max((layout.flatten_copy_12(lo, hi, rbs) for lo, hi in layout.bucket_ranges_12(rbs, order)), default=0)
 
 
 def _step(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: TrainingSetup, stage: int, b_g: int, grad_end: int,

@@ -8,6 +8,12 @@ from __future__ import annotations
 class GradHooks:
     """Gradient-ready hooks and the bucket flush they trigger."""
 
+    # True: a full bucket is flushed in the hook of the gradient that overflows it, before that gradient
+    # is copied in, and the last one after the backward (DeepSpeed 0.19.8 stage_1_and_2.py
+    # reduce_independent_p_g_buckets_and_remove_grads and its epilogue: ``_flush_last_bucket``);
+    # False: as soon as its last gradient has arrived
+    flush_in_next_hook = False
+
     def _install_grad_hooks(self) -> None:
         self._ready = [False] * len(self.params)
         self._order = self._ready_order()
@@ -18,6 +24,7 @@ class GradHooks:
             for i in ps:
                 self._bucket_of[i] = k
         self._last_in_bucket = {ps[-1]: k for k, (_, _, ps) in enumerate(self.buckets)}
+        self._first_in_bucket = {ps[0]: k for k, (_, _, ps) in enumerate(self.buckets)}
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i)))
@@ -28,9 +35,14 @@ class GradHooks:
         while self._ptr < len(order) and self._ready[order[self._ptr]]:
             j = order[self._ptr]
             self._ptr += 1
-            self._arrived(j)
-            if j in self._last_in_bucket:
-                self._flush_bucket(self._last_in_bucket[j])
+            if self.flush_in_next_hook:
+                if self._first_in_bucket.get(j, 0) > 0:
+                    self._flush_bucket(self._first_in_bucket[j] - 1)
+                self._arrived(j)
+            else:
+                self._arrived(j)
+                if j in self._last_in_bucket:
+                    self._flush_bucket(self._last_in_bucket[j])
 
     def _arrived(self, j: int) -> None:
         """Gradient j is next in bucket order (the strategy copies it into its bucket buffer)."""
@@ -40,6 +52,11 @@ class GradHooks:
         self._ready = [False] * len(self.params)
         self._ptr = 0
         self._bucket_bufs, self._copied = {}, set()
+
+    def _flush_last_bucket(self) -> None:
+        """The epilogue's flush of the bucket still open after the backward (``flush_in_next_hook``)."""
+        if self.flush_in_next_hook and self.buckets:
+            self._flush_bucket(len(self.buckets) - 1)
 
     def _flush_bucket(self, k: int) -> None:
         """Every gradient of bucket k has arrived: reduce it (the strategy's reduction)."""

@@ -16,7 +16,8 @@ class BucketReduce12:
 
         The bucket is sliced at owner-partition boundaries; with multi-rank all-reduce the
         slices are packed (flush after adding once over ``reduce_bucket_size``) into
-        all-reduces of a flatten copy; otherwise every slice is ``reduce``d to its owner.
+        all-reduces, of a flatten copy where a group has two or more slices; otherwise every
+        slice is ``reduce``d to its owner.
         """
         torch = self.torch
         lo, hi, ps = self.buckets[k]
@@ -27,6 +28,8 @@ class BucketReduce12:
                     self._copy_into_bucket(k, i, source(i))
                     if self.ds_stage1_grads:  # .grad re-pointed into the bucket: the full-size grad is freed
                         self.params[i].grad = None
+        elif len(ps) == 1:  # a lone gradient larger than the bucket is reduced where autograd left it
+            buf = source(next(iter(ps)))  # (DeepSpeed's extra_large_param_to_reduce)
         else:
             buf = self._tag(torch.cat([source(i) for i in sorted(ps, key=lambda j: self.offsets[j])]), "buffers")
         self._bucket_bufs.pop(k, None)
@@ -40,21 +43,24 @@ class BucketReduce12:
         else:
             slices = [(lo, hi)]
         if self.multi_rank:
-            groups: list[tuple[int, int]] = []
-            start, run = None, 0
+            groups: list[tuple[int, int, int]] = []  # (start, end, pieces)
+            start, run, pieces = None, 0, 0
             for a, b in slices:
                 start = a if start is None else start
-                run += b - a
+                run, pieces = run + b - a, pieces + 1
                 if run > self.rbs:
-                    groups.append((start, b))
-                    start, run = None, 0
+                    groups.append((start, b, pieces))
+                    start, run, pieces = None, 0, 0
             if start is not None:
-                groups.append((start, slices[-1][1]))
+                groups.append((start, slices[-1][1], pieces))
             async_op = self.overlap and slot is not None
-            for a, b in groups:
-                flat = self._tag(buf[a - lo:b - lo].clone(), "buffers")  # DeepSpeed's flatten copy
+            for a, b, pieces in groups:
+                src = buf[a - lo:b - lo]
+                # DeepSpeed's flatten copy: flatten_dense_tensors of one piece is a view
+                flat = self._tag(src.clone(), "buffers") if pieces > 1 else src
                 h = self.comm.all_reduce(flat, async_op=async_op)
-                item = (h, flat, (a, b))
+                item = [h, flat, (a, b), src]
+                del flat  # held by the item alone, so that _finish_12 can free it
                 if async_op:
                     self._pending.append((slot, item))
                 else:
@@ -107,14 +113,21 @@ class BucketReduce12:
             self._finish_12(item)
         self._pending = []
 
-    def _finish_12(self, item: tuple) -> None:
-        h, flat, (lo, hi) = item
+    def _finish_12(self, item: list) -> None:
+        """Complete one all-reduce: [handle, flatten copy or the bucket's view, (lo, hi), the bucket's view].
+        As DeepSpeed's ``allreduce_and_copy_with_multiple_ranks``, the reduced values are copied back into
+        the bucket and the flatten copy is freed before the owned slice is stored (where stage 2 allocates
+        its gradient partition: ``copy_grads_in_partition``)."""
+        h, (lo, hi), src = item[0], item[2], item[3]
         if h is not None:
             h.wait()
+        if item[1] is not src:
+            src.copy_(item[1])
+        item[0] = item[1] = None
         own = self._owned(lo, hi)
         if own is not None:
             a, b = own
-            self._accumulate_owned(flat[a - lo:b - lo], a, b)
+            self._accumulate_owned(src[a - lo:b - lo], a, b)
 
     def _accumulate_owned(self, reduced: Any, a: int, b: int) -> None:
         """Averaged gradient slice [a, b) (flat coordinates) into this rank's partition."""

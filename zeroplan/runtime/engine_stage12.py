@@ -38,7 +38,7 @@ class Stage12Strategy(BucketReduce12, GradHooks, FlatLayout, StageStrategy):
         self.grad_part = None
         self.buckets = self._flat_buckets(self._bucket_order(), self.rbs)
         self.ipg: list[Any] = []
-        self._pending: list[tuple[Any, Any, Any]] = []
+        self._pending: list[tuple[int, list]] = []  # (ipg slot, _finish_12 item)
         self._bucket_bufs: dict[int, tuple[Any, Any]] = {}
         self._copied: set[int] = set()
 
@@ -164,6 +164,8 @@ class Stage1Strategy(Stage12Strategy):
 class Stage2Strategy(Stage12Strategy):
     """Stage 2: each micro-step's gradients reduced into the owned partition (Ψ₁₂/N) during backward."""
 
+    flush_in_next_hook = True
+
     def setup(self) -> None:
         super().setup()
         if self.ds:
@@ -185,6 +187,7 @@ class Stage2Strategy(Stage12Strategy):
         if self.ds:
             if self._ptr != len(self._order):
                 raise RuntimeError("stage 2: some parameters received no gradient in backward")
+            self._flush_last_bucket()
             self._drain()
             self._free_ipg()
         else:

@@ -204,14 +204,14 @@ def _runtime():
         for model in SPECS:
             ids = [i for i, c in enumerate(CASES) if c[0] == model]
             runs = [{"zero": _zero(i), "precision": CASES[i][2], "micro_batch": CASES[i][4], "seq_len": SEQ,
-                     "grad_accum": CASES[i][3], "warmup": 2, "steps": 2, "comm_model": "deepspeed", "seed": 0,
+                     "grad_accum": CASES[i][3], "warmup": 1, "steps": 2, "comm_model": "deepspeed", "seed": 0,
                      "checkpointing": CASES[i][5]}
                     for i in ids]
             groups.append((_spec(model), runs))
             index.append(ids)
         groups.append((_spec("engine"), [
             {"zero": _lora_zero(j), "precision": "bf16", "micro_batch": 1, "seq_len": SEQ, "grad_accum": 1,
-             "warmup": 2, "steps": 2, "comm_model": "deepspeed", "seed": 0, "checkpointing": "full",
+             "warmup": 1, "steps": 2, "comm_model": "deepspeed", "seed": 0, "checkpointing": "full",
              "finetune": _lora(j)} for j in range(len(LORA_CASES))]))
         index.append([("lora", j) for j in range(len(LORA_CASES))])
         _preload_dispatch()

@@ -200,11 +200,13 @@ def _launch(spec, n, runs):
     return spawn(_run, n, args=(spec, runs), timeout_s=600)  # a hang bound: 2-30 s idle, 3x that under load
 
 
-def _cfg(stage, precision, g=2, comm_model="deepspeed", **zero):
+def _cfg(stage, precision, g=2, comm_model="deepspeed", warmup=1, **zero):
+    """One run: a warm-up step (the engine's schedule is the same from its second step on), then two
+    measured steps that must issue the same collectives."""
     z = dict(stage=stage, reduce_bucket_size=RBS, param_persistence_threshold=THR, overlap_comm=stage == 3)
     z.update(zero)
     return {"zero": ZeroConfig(**z), "precision": precision, "micro_batch": 2, "seq_len": 16, "grad_accum": g,
-            "warmup": 2, "steps": 2, "comm_model": comm_model, "seed": 0}
+            "warmup": warmup, "steps": 2, "comm_model": comm_model, "seed": 0}
 
 
 def _measured_schedule(res):
@@ -358,9 +360,9 @@ def _reference_losses(spec, n, steps, lr=1e-3):
 
 def test_matches_plain_torch_adamw():
     spec = _spec()
-    runs = [_cfg(s, "fp32", g=1) for s in (0, 3)]
+    runs = [_cfg(s, "fp32", g=1, warmup=2) for s in (0, 3)]
     per_rank = _launch(spec, 2, runs)
-    ref = _reference_losses(spec, 2, 4)
+    ref = _reference_losses(spec, 2, 4)  # 2 warm-up + 2 measured steps
     for k in range(len(runs)):
         assert per_rank[0][k]["losses"] == pytest.approx(ref, rel=1e-5)
 

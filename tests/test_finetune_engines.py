@@ -103,7 +103,7 @@ def _bundled():
         from zeroplan.runtime.launch import spawn
 
         runs = [{"zero": _zero(c), "precision": PRECISION[c], "micro_batch": 1, "seq_len": 16, "grad_accum": GAS[c],
-                 "warmup": 2, "steps": 2, "comm_model": "deepspeed", "finetune": _ft(c)} for c in CASES]
+                 "warmup": 1, "steps": 2, "comm_model": "deepspeed", "finetune": _ft(c)} for c in CASES]
         per_rank = spawn(_rank_entry, N, args=(_spec(), runs, "cpu"), timeout_s=300)
         for k, c in enumerate(CASES):
             _BUNDLED[c] = [per_rank[r][k] for r in range(N)]

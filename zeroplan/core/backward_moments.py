@@ -296,9 +296,16 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
     other = pb.backward - pb.detail.get("gathered_params_backward", 0) - pb.detail.get("reduce_scatter_temp", 0)
     flushes, last = _flushes(layout, bucket_elems)
     by_embed = _embedding_flush(hg, layout, bucket_elems)
-    temp_at: dict[int, int] = {}
-    for sizes, done in flushes[:-1] if by_embed else flushes:
-        temp_at[done] = max(temp_at.get(done, 0), b_c * scatter_temp_elements(sizes, layout.n))
+    buckets = [sizes for sizes, _ in flushes] + [last]
+    # per layer, the most its flushes hold: the reduce-scatter copy (the largest: it sizes the side stream's
+    # pool), and the gradients outside the bucket (the one whose hook runs the flush, as in stage 2, and a
+    # lone gradient larger than the bucket, kept as autograd's)
+    temp_at: dict[int, tuple[int, int]] = {}
+    for k, (sizes, done) in enumerate(flushes[:-1] if by_embed else flushes):
+        lone = b_p * sizes[0] if len(sizes) == 1 and sizes[0] > bucket_elems else 0
+        temp, grads_out = temp_at.get(done, (0, 0))
+        temp_at[done] = (max(temp, b_c * scatter_temp_elements(sizes, layout.n)),
+                         max(grads_out, lone + b_p * buckets[k + 1][0]))
     held_tied = b_p * hg.tied
 
     def moment(what: str, g: int, temp: int, activations: str, done: int = 0, grads: int = 0,
@@ -314,16 +321,19 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
            moment("lm_head weight gradient (before its hook)", gathered.head, 0, "layer", autograd=b_p * hg.head)]
     top = -1
     for done, g in enumerate(gathered.layers):
-        temp = temp_at.get(done, 0)
-        if b_p * g + temp > top:
-            out.append(moment(f"backward of layer {len(gathered.layers) - 1 - done}" + (" (bucket flush)" if temp else ""),
-                              g, temp, "layer", done, autograd=held_tied))
-            top = b_p * g + temp
+        temp, grads_out = temp_at.get(done, (0, 0))
+        if b_p * g + temp + grads_out > top:
+            flushed = " (bucket flush)" if done in temp_at else ""
+            out.append(moment(f"backward of layer {len(gathered.layers) - 1 - done}{flushed}", g, temp, "layer", done,
+                              autograd=held_tied + grads_out))
+            top = b_p * g + temp + grads_out
     flush = (b_c * scatter_temp_elements(by_embed, layout.n), 0) if by_embed else None
     for what, (temp, _), autograd in _embedding_moments(hg, b_p, flush):
         out.append(moment(what, gathered.bottom, temp, "none", autograd=autograd))
     last_temp = b_c * scatter_temp_elements(last, layout.n)
-    out.append(moment("backward end (epilogue flush)", gathered.bottom, last_temp, "none", grads=grads_end))
+    lone = b_p * last[0] if len(last) == 1 and last[0] > bucket_elems else 0
+    out.append(moment("backward end (epilogue flush)", gathered.bottom, last_temp, "none", grads=grads_end,
+                      autograd=lone))
     return out
 
 

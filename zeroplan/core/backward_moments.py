@@ -224,7 +224,13 @@ def _flush_extra(sizes: list[int], span: tuple[int, int], layout: Layout, *, b_c
     lone gradient larger than the bucket is never copied into it (``extra_large_param_to_reduce``): it is
     reduced from autograd's own gradient, which lives until then."""
     copy = b_c * layout.flatten_copy_12(*span, bucket_elems) if copies else 0
-    return copy, (b_p * sizes[0] if len(sizes) == 1 and sizes[0] > bucket_elems else 0)
+    return copy, b_p * _lone_oversized(sizes, bucket_elems)
+
+
+def _lone_oversized(sizes: list[int], bucket_elems: int) -> int:
+    """Elements of a bucket's lone gradient larger than the bucket (DeepSpeed keeps it as autograd's
+    until the flush that reduces it), else 0."""
+    return sizes[0] if len(sizes) == 1 and sizes[0] > bucket_elems else 0
 
 
 def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: int, overlap: bool, kept: bool,
@@ -302,7 +308,7 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
     # lone gradient larger than the bucket, kept as autograd's)
     temp_at: dict[int, tuple[int, int]] = {}
     for k, (sizes, done) in enumerate(flushes[:-1] if by_embed else flushes):
-        lone = b_p * sizes[0] if len(sizes) == 1 and sizes[0] > bucket_elems else 0
+        lone = b_p * _lone_oversized(sizes, bucket_elems)
         temp, grads_out = temp_at.get(done, (0, 0))
         temp_at[done] = (max(temp, b_c * scatter_temp_elements(sizes, layout.n)),
                          max(grads_out, lone + b_p * buckets[k + 1][0]))
@@ -331,9 +337,8 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
     for what, (temp, _), autograd in _embedding_moments(hg, b_p, flush):
         out.append(moment(what, gathered.bottom, temp, "none", autograd=autograd))
     last_temp = b_c * scatter_temp_elements(last, layout.n)
-    lone = b_p * last[0] if len(last) == 1 and last[0] > bucket_elems else 0
     out.append(moment("backward end (epilogue flush)", gathered.bottom, last_temp, "none", grads=grads_end,
-                      autograd=lone))
+                      autograd=b_p * _lone_oversized(last, bucket_elems)))
     return out
 
 

@@ -26,9 +26,10 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
   into all-reduces, of a flatten copy where a group has two or more slices (one is reduced in
   place, as torch's ``flatten_dense_tensors`` returns a lone tensor as a view); a lone gradient
   larger than the bucket skips the ipg buffer and is reduced where autograd left it; with
-  ``use_multi_rank_bucket_allreduce=false`` each slice is ``reduce``d to its owner. Stage 1 keeps full flat gradients (Ψ₁₂) and reduces once at the
-  boundary; stage 2 reduces every micro-step from post-accumulate-grad hooks and keeps only
-  its Ψ₁₂/N partition. After the step: one in-place all-gather of the flat buffer, the
+  ``use_multi_rank_bucket_allreduce=false`` each slice is ``reduce``d to its owner. Stage 1
+  keeps full flat gradients (Ψ₁₂) and reduces once at the boundary; stage 2 reduces every
+  micro-step from post-accumulate-grad hooks (a full bucket in the hook of the gradient that
+  overflows it, the last after the backward) and keeps only its Ψ₁₂/N partition. After the step: one in-place all-gather of the flat buffer, the
   1-byte overflow flag (bf16/fp16 only) and the 4-byte norm.
 - stage 3: every parameter is partitioned on its own, padded to p̂ = ⌈numel/N⌉·N; rank r keeps
   its p̂/N slice (``params``), an equal bit16 gradient partition (``gradients``, persistent)

@@ -27,12 +27,19 @@ RUNS = ["peak-live-stage2-b1-s512.json", "peak-live-stage2-rbs1e8-b1-s512.json",
         "peak-live-stage2-w2r1-rbs2e8-b1-s512.json"]
 
 
-def _run(name: str) -> tuple[dict, object, Layout]:
-    rep = json.loads((REPLAY / name).read_text())
+def _inputs(rep: dict) -> tuple[object, object]:
+    """The replay's (model spec, ZeRO config)."""
     inp = rep["inputs"]
     spec = scaled_spec(load_model(inp["model"]), layers=inp["layers"], hidden=None, vocab=None, experts=None)
     zero = load_ds_config({"zero_optimization": {"stage": inp["stage"], **inp["zero"]}, "bf16": {"enabled": True}},
                           world_size=inp["world"]).zero
+    return spec, zero
+
+
+def _run(name: str) -> tuple[dict, object, Layout]:
+    rep = json.loads((REPLAY / name).read_text())
+    inp = rep["inputs"]
+    spec, zero = _inputs(rep)
     plan = predict(spec, zero, precision="bf16", micro_batch=inp["micro_batch"], seq_len=inp["seq_len"],
                    n=inp["world"], grad_accum=1)
     return rep, plan, build_layout(spec, inp["world"])
@@ -105,11 +112,9 @@ def test_the_bundled_engine_holds_what_deepspeed_held(name):
     before the owned slice lands in the gradient partition (runtime/engine_reduce12.py)."""
     from zeroplan.runtime.simulate import simulate_rank
 
-    rep, plan, _ = _run(name)
+    rep = json.loads((REPLAY / name).read_text())
     inp = rep["inputs"]
-    spec = scaled_spec(load_model(inp["model"]), layers=inp["layers"], hidden=None, vocab=None, experts=None)
-    zero = load_ds_config({"zero_optimization": {"stage": inp["stage"], **inp["zero"]}, "bf16": {"enabled": True}},
-                          world_size=inp["world"]).zero
+    spec, zero = _inputs(rep)
     got = simulate_rank(spec, zero, n=inp["world"], precision="bf16", micro_batch=inp["micro_batch"],
                         seq_len=inp["seq_len"], rank=inp["rank"])
     assert got["phase_peaks"]["backward"]["peak"] == rep["peak_bytes"] - 4

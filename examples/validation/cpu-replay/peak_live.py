@@ -1,6 +1,6 @@
 """What real DeepSpeed holds at its peak: every tensor storage over 1 MiB live at the largest total.
 
-Real DeepSpeed 0.19.8 as rank 0 of 8 on torch's fake process group (as replay.py), 2 layers of a
+Real DeepSpeed 0.19.8 as one rank (rank 0 of 8 unless told) on torch's fake process group (as replay.py), 2 layers of a
 model at full width (Llama-2-7B unless MODEL names another catalog model or config file), bf16, one
 ZeRO stage; the peak of the second step, taken when a new
 allocation raises the live total. Each storage is named by the parameter it backs, if any, and by

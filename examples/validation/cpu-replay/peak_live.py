@@ -9,11 +9,13 @@ buffers and the activations at that moment can be told apart.
 
     python examples/validation/cpu-replay/peak_live.py STAGE MICRO_BATCH SEQ OUT.json [MODEL]
         [--world N] [--rank R] [--zero '{"reduce_bucket_size": 200000000}'] [--phase backward]
+        [--grad-accum G]
 
 ``--world`` sets the data-parallel size (default 8), ``--rank`` the rank measured (default 0; on the
 fake group every rank runs alone, so any one can be), and ``--zero`` adds keys to the zero_optimization
 block (JSON), so a run can put a bucket inside one rank's partition or make a parameter outgrow it;
-``--phase`` takes the peak within one phase (forward, backward or step) instead of the whole step.
+``--phase`` takes the peak within one phase (forward, backward or step) instead of the whole step, and
+``--grad-accum`` runs G micro-steps per optimizer step (the report says which micro-step peaked).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def _record_flushes(optimizer, flushes: list, active) -> None:
 
 
 def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b", world: int = 8,
-         zero: dict | None = None, phase: str | None = None, rank: int = 0) -> None:
+         zero: dict | None = None, phase: str | None = None, rank: int = 0, grad_accum: int = 1) -> None:
     import deepspeed
 
     N = world
@@ -84,7 +86,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
     _disable_shm_comm_op()
     dist.init_process_group("fake", rank=rank, world_size=N, store=fake_store())
     deepspeed.init_distributed(dist_backend="gloo")
-    cfg = make_ds_config(stage=stage, precision="bf16", micro_batch=mb, grad_accum=1, zero=zero, comms_logger=False)
+    cfg = make_ds_config(stage=stage, precision="bf16", micro_batch=mb, grad_accum=grad_accum, zero=zero, comms_logger=False)
     tr = StorageTracker()
     origin: dict[int, tuple[str, list[str]]] = {}
     best: dict = {"total": 0, "live": []}
@@ -107,7 +109,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
             if nbytes > MIB:  # a large allocation raised the peak: record what lives beside it
                 names = {id(p.untyped_storage()): n for n, p in engine.module.named_parameters()}
                 best["live"] = [(b, k, names.get(k, "")) for k, (b, *_) in tr._live.items() if b > MIB]
-                best["phase"] = tr.phase
+                best["phase"], best["micro"] = tr.phase, getattr(tr, "micro", 0)
 
     tr._register, tr._add = _register, _add
     with tr:
@@ -123,13 +125,14 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
                 tr.reset_peaks()
                 best["total"] = 0 if phase else tr.ledger.total
                 measuring[0] = True
-            ids = torch.randint(0, spec.vocab_size, (mb, seq))
-            tr.phase = "forward"
-            loss = engine(ids)
-            tr.phase = "backward"
-            engine.backward(loss)
-            tr.phase = "step"
-            engine.step()
+            for micro in range(grad_accum):  # engine.step() steps the optimizer at the last micro-step only
+                ids = torch.randint(0, spec.vocab_size, (mb, seq))
+                tr.phase, tr.micro = "forward", micro
+                loss = engine(ids)
+                tr.phase = "backward"
+                engine.backward(loss)
+                tr.phase = "step"
+                engine.step()
             print(f"step {step} done", file=sys.stderr, flush=True)
     live = []
     for nbytes, key, name in sorted(best["live"], reverse=True):
@@ -140,9 +143,9 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
                         "python": platform.python_version()},
         "command": "python examples/validation/cpu-replay/peak_live.py " + " ".join(sys.argv[1:]),
         "inputs": {"model": model_name, "layers": LAYERS, "rank": rank, "world": N, "stage": stage,
-                   "micro_batch": mb, "seq_len": seq, "precision": "bf16", "zero": zero or {},
+                   "micro_batch": mb, "seq_len": seq, "grad_accum": grad_accum, "precision": "bf16", "zero": zero or {},
                    "phase": phase or "all"},
-        "peak_bytes": best["total"], "peak_phase": best.get("phase"),
+        "peak_bytes": best["total"], "peak_phase": best.get("phase"), "peak_micro_step": best.get("micro", 0),
         "live_over_1_MiB": live,
     }
     if flushes:
@@ -164,5 +167,6 @@ if __name__ == "__main__":
     ap.add_argument("--zero", type=json.loads, default=None, help="extra zero_optimization keys (JSON)")
     ap.add_argument("--phase", choices=("forward", "backward", "step"), default=None,
                     help="the peak within this phase only (default: the whole step)")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
     a = ap.parse_args()
-    main(a.stage, a.micro_batch, a.seq, a.out, a.model, a.world, a.zero, a.phase, a.rank)
+    main(a.stage, a.micro_batch, a.seq, a.out, a.model, a.world, a.zero, a.phase, a.rank, a.grad_accum)

@@ -25,8 +25,7 @@ from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.layout import build_layout
 from zeroplan.core.finetune import ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
-from zeroplan.core.memory import grads_from_autograd, memory_for_stage
-from zeroplan.core.memory_states import state_plan
+from zeroplan.core.memory import memory_for_stage, step_reads_autograd
 from zeroplan.core.timing import estimate_time
 
 __all__: list[str] = []  # internal to recommend: _State, _Family, _Sweep
@@ -302,8 +301,8 @@ class _Sweep:
                       side=tuple(side), communicators=communicators(self.zero(stage, point), stage, self.n),
                       moments=_unpack(kinds, flat),
                       moments_full=_unpack(*self._full_moments(fam, point)) if stage == 3 else None,
-                      step_pinned=grads_from_autograd(state_plan(self.ref_training, stage, offload=oo != "none",
-                                                                 flavour=self.comm_model).wrapper, stage))
+                      step_pinned=step_reads_autograd(self.ref_training, self.zero(stage, point),
+                                                      flavour=self.comm_model))
 
     @staticmethod
     def _full_moments(fam: _Family, point: tuple) -> tuple[tuple, tuple]:

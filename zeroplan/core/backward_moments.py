@@ -150,12 +150,16 @@ def head_gradients(layout: Layout) -> HeadGradients:
 
 def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: int, bucket_elems: int,
                      grads_end: int, b_p: int = 2, gathered: BackwardGathered | None = None, overlap: bool = False,
-                     grads_in_p_grad: bool = False, multi_rank_flatten: bool = True) -> list[BackwardMoment]:
+                     grads_in_p_grad: bool = False, multi_rank_flatten: bool = True,
+                     keep_oversized: bool = False) -> list[BackwardMoment]:
     """The moments of one backward (``pb``: core.memory_buffers.PhaseBuffers; ``gathered``: stage 3's
     gathered parameters through the backward, core/stage3_live.py; ``overlap``: ``overlap_comm``;
     ``grads_in_p_grad``: the gradients kept to the step are autograd's ``p.grad``, core/memory.py
     grads_from_autograd; ``multi_rank_flatten``: stage 2 all-reduces a bucket's owner pieces together,
-    flattened (``reduce_scatter`` and ``use_multi_rank_bucket_allreduce``, Layout.flatten_copy_12))."""
+    flattened (``reduce_scatter`` and ``use_multi_rank_bucket_allreduce``, Layout.flatten_copy_12);
+    ``keep_oversized``: stage 1 reducing in the hooks as stage 2 (core/memory_states.py
+    ``stage1_reduces_in_hooks``), which never clears a reduced gradient, so a lone gradient larger than the
+    bucket stays autograd's to the epilogue's ``_clear_param_grad_only``)."""
     held = pb.held.get("backward", 0)
     ipg = pb.detail.get("ipg_bucket", 0)
     hg = head_gradients(layout)
@@ -164,16 +168,17 @@ def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: 
                        gathered=gathered)
     if stage != 2 or off_opt != "none" or not ipg:  # ipg_bucket: contiguous gradients
         return _two_ends(pb, hg, stage=stage, grads_end=grads_end, b_p=b_p, overlap=overlap, kept=grads_in_p_grad,
-                         offload=off_opt != "none")
+                         offload=off_opt != "none", ipg_kept=pb.held.get("forward", 0) >= ipg > 0)
     return _stage2(pb, layout, hg, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, grads_end=grads_end,
-                   copies=multi_rank_flatten)
+                   copies=multi_rank_flatten, keep_oversized=keep_oversized)
 
 
 def _stage2(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, bucket_elems: int, grads_end: int,
-            copies: bool) -> list[BackwardMoment]:
+            copies: bool, keep_oversized: bool = False) -> list[BackwardMoment]:
     """Stage 2 with contiguous gradients: the moments around the bucket's flushes (module docstring).
     Each flush adds what it holds beside the bucket (``_flush_extra``); of the flushes after the first,
-    a moment is kept only where that exceeds every earlier one's (those stack on more activations)."""
+    a moment is kept only where that exceeds every earlier one's (those stack on more activations).
+    ``keep_oversized`` (stage 1 in the hooks): a lone oversized gradient, once flushed, stays to the end."""
     held = pb.held.get("backward", 0)
     ipg = pb.detail.get("ipg_bucket", 0)
     flushes, last = _flushes(layout, bucket_elems)
@@ -183,6 +188,10 @@ def _stage2(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
     # a flush runs in the hook of the gradient that overflows the bucket, before that gradient (autograd's
     # own) is copied in: it is live beside the flush (the next bucket's first)
     trigger = [b_p * nxt[0] for nxt in buckets[1:]] + [0]
+    # stage 1 (keep_oversized): the lone oversized gradients of the buckets flushed before each one
+    kept = [0]
+    for ex in extra:
+        kept.append(kept[-1] + (ex[1] if keep_oversized else 0))
     by_embed = _embedding_flush(hg, layout, bucket_elems)
     regular = flushes[:-1] if by_embed else flushes
     lazy = ipg + pb.detail.get("allreduce_flatten", 0) + pb.detail.get("gradient_partition_whole_params", 0)
@@ -203,18 +212,20 @@ def _stage2(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
         out.append(moment("first bucket flush" + (" (flatten copy)" if extra[0][0] else ""), extra[0], "layer", d1,
                           autograd=held_tied + trigger[0]))
         out.append(moment("after the first flush (grads_in_partition allocated)", (0, 0), "layer", d1,
-                          grads=grads_end, autograd=held_tied))
+                          grads=grads_end, autograd=held_tied + kept[1]))
         top = 0
-        for (_, done), ex, trig in zip(regular[1:], extra[1:], trigger[1:]):
-            if sum(ex) + trig > top:
+        for k, ((_, done), ex, trig) in enumerate(zip(regular[1:], extra[1:], trigger[1:]), start=1):
+            if sum(ex) + trig + kept[k] > top:
                 out.append(moment(f"bucket flush after {done} layers' backward" + (" (flatten copy)" if ex[0] else ""),
-                                  ex, "layer", done, grads=grads_end, autograd=held_tied + trig))
-                top = sum(ex) + trig
+                                  ex, "layer", done, grads=grads_end, autograd=held_tied + trig + kept[k]))
+                top = sum(ex) + trig + kept[k]
     grads = grads_end if regular else 0
     embed_extra = extra[len(flushes) - 1] if by_embed else None
+    before_embed = kept[len(flushes) - 1] if by_embed else kept[len(flushes)]
     for what, flush, autograd in _embedding_moments(hg, b_p, embed_extra):
-        out.append(moment(what, flush, "none", grads=grads, autograd=autograd))
-    out.append(moment("backward end (epilogue flush)", extra[-1], "none", grads=grads_end))
+        out.append(moment(what, flush, "none", grads=grads, autograd=autograd + before_embed))
+    out.append(moment("backward end (epilogue flush)", extra[-1], "none", grads=grads_end,
+                      autograd=kept[len(flushes)]))
     return out
 
 
@@ -234,7 +245,7 @@ def _lone_oversized(sizes: list[int], bucket_elems: int) -> int:
 
 
 def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: int, overlap: bool, kept: bool,
-              offload: bool) -> list[BackwardMoment]:
+              offload: bool, ipg_kept: bool = False) -> list[BackwardMoment]:
     """Every other stage: its buffers beside the activations' backward peak, and the gradients and
     buffers at the end; a tied weight's gradient held between them. Stages 0-1 without ``overlap_comm``
     reduce after autograd's backward (engine.py ``allreduce_gradients``, stage_1_and_2.py
@@ -243,15 +254,21 @@ def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: in
     (``reduce_independent_p_g_buckets_and_remove_grads``), so its flatten copy never adds to the
     gradients either, and its bucket is allocated at the first gradient hook (``process_gradients``
     ``setup_buckets``), after the head's backward. Where the gradient kept is ``p.grad`` (``kept``) the
-    tied sum becomes it (counted in the gradients at the end)."""
+    tied sum becomes it (counted in the gradients at the end). Stage 1 with ``overlap_comm`` over several
+    micro-steps: the same, with its two buckets. ``ipg_kept``: the bucket lives on from an earlier
+    micro-step (stage 1 with gradient accumulation), so the head's backward already holds it."""
     held = pb.held.get("backward", 0)
-    flatten = pb.detail.get("allreduce_flatten", 0) if stage <= 1 and not overlap else 0
+    ipg = pb.detail.get("ipg_bucket", 0) if stage == 1 and not offload else 0
+    # with overlap_comm and several micro-steps (the boundary's backward starts with the accumulated p.grad,
+    # core/memory_states.py stage1_reduces_in_hooks) each gradient is moved into the bucket before a flush
+    # copies it, so a flush never adds to what the backward's start holds
+    flatten = pb.detail.get("allreduce_flatten", 0) if (stage <= 1 and not overlap) or ipg else 0
     during = pb.backward - flatten
-    ipg = pb.detail.get("ipg_bucket", 0) if stage == 1 and not overlap and not offload else 0
     end = pb.backward - (flatten if ipg else 0)
     if ipg:  # lm_head's gradient is its p.grad from the first hook on
-        out = [BackwardMoment(what="head backward (before the first gradient hook)", buffers=during - ipg,
-                              held_buffers=held - ipg, gradients=0, activations="head"),
+        head_ipg = 0 if ipg_kept else ipg
+        out = [BackwardMoment(what="head backward (before the first gradient hook)", buffers=during - head_ipg,
+                              held_buffers=held - head_ipg, gradients=0, activations="head"),
                BackwardMoment(what="top layer backward (ipg bucket allocated at lm_head's hook)", buffers=during,
                               held_buffers=held, gradients=0, activations="layer", autograd=b_p * hg.head)]
     else:

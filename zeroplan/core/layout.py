@@ -97,11 +97,17 @@ class Layout:
 
     @cached_property
     def grad_partition_12_max(self) -> int:
-        """Elements of the largest stage-2 gradient partition buffer over all ranks.
+        """Elements of the largest stage-2 gradient partition buffer over all ranks (same result as
+        grad_partition_span_12 over every rank)."""
+        return max(hi - lo for lo, hi, _ in self._rank_spans_12)
 
-        O(N log T): a rank's span runs from the start of the tensor holding its first element
-        to the end of the tensor holding its last (same result as grad_partition_span_12).
-        """
+    @cached_property
+    def _rank_spans_12(self) -> list[tuple[int, int, int]]:
+        """Per distinct rank, (lo, hi) of its gradient partition buffer and the largest piece of one tensor
+        inside its partition. O(T log T): a rank's span runs from the start of the tensor holding its
+        first element to the end of the tensor holding its last, and is constant over ranks whose
+        partition sits inside one tensor, so only ranks next to a tensor boundary (and the first and
+        last rank) need computing, not every rank (a 2^20-GPU plan must not loop over them: issue 17 §3)."""
         from bisect import bisect_right
 
         starts, ends = [], []
@@ -112,23 +118,27 @@ class Layout:
             ends.append(pos)
         total = pos
         part = self.partition_12
-        # The span is constant over ranks whose partition sits inside one tensor, so only ranks
-        # next to a tensor boundary (and the first and last rank) need computing: O(T log T), not
-        # O(N) — a 2^20-GPU plan must not loop over every rank (issue 17 §3).
         ranks = {0, self.n - 1}
         for b in starts + ends:
             q = b // part
             ranks.update(r for r in (q - 1, q, q + 1) if 0 <= r < self.n)
-        best = 0
-        for r in ranks:
+        out = []
+        for r in sorted(ranks):
             p_lo, p_hi = r * part, (r + 1) * part
-            lo, hi = p_lo, p_hi
+            lo, hi, piece = p_lo, p_hi, 0
             if p_lo < total:
-                lo = min(lo, starts[bisect_right(starts, p_lo) - 1])
-                last = min(p_hi, total) - 1
-                hi = max(hi, ends[bisect_right(starts, last) - 1])
-            best = max(best, hi - lo)
-        return best
+                first, last = bisect_right(starts, p_lo) - 1, bisect_right(starts, min(p_hi, total) - 1) - 1
+                lo, hi = min(lo, starts[first]), max(hi, ends[last])
+                piece = max(min(ends[i], p_hi) - max(starts[i], p_lo) for i in range(first, last + 1))
+            out.append((lo, hi, piece))
+        return out
+
+    def step_norm_peak_12(self, grad_bytes: int, norm_bytes: int) -> int:
+        """Bytes of the stage-1/2 step's gradient-norm moment on the heaviest rank: its gradient partition
+        buffer and the ``norm_bytes`` cast of its largest piece (0.19.8 stage_1_and_2.py
+        ``get_grad_norm_direct`` casts each tensor of the partition to ``get_norm_dtype()``, fp64 where the
+        device has it, before the flatten)."""
+        return max(grad_bytes * (hi - lo) + norm_bytes * piece for lo, hi, piece in self._rank_spans_12)
 
     # stage 3
     def padded(self, numel: int) -> int:

@@ -36,7 +36,7 @@ from zeroplan.core.finetune import FineTuneViews
 from zeroplan.core.host_memory import HostMemory, host_memory
 from zeroplan.core.layout import Layout, zero_layout
 from zeroplan.core.memory_buffers import PHASES, GatherPeak, PhaseBuffers, phase_buffers
-from zeroplan.core.memory_states import model_state_bytes, state_plan
+from zeroplan.core.memory_states import model_state_bytes, stage1_reduces_in_hooks, state_plan
 from zeroplan.core.stage3_live import BackwardGathered, backward_gathered
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.model import ModelSpec
@@ -148,14 +148,27 @@ def _gathered(layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSe
 
 
 def _moments(pb: Any, layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSetup,
-             finetune: FineTuneViews | None, flavour: str, grads_end: int, step_pinned: bool) -> list[BackwardMoment]:
-    """The backward's moments (core/backward_moments.py) for one stage's buffers ``pb``."""
-    return backward_moments(pb, tl, stage=int(zero.stage), off_opt=zero.optimizer_offload_device,
+             finetune: FineTuneViews | None, flavour: str, grads_end: int, step_pinned: bool,
+             hooked: bool = False) -> list[BackwardMoment]:
+    """The backward's moments (core/backward_moments.py) for one stage's buffers ``pb``; ``hooked``: stage 1
+    reducing in the gradient hooks, whose backward is stage 2's (core/memory_states.py)."""
+    return backward_moments(pb, tl, stage=2 if hooked else int(zero.stage), off_opt=zero.optimizer_offload_device,
                             b_c=training.precision.comm_bytes, bucket_elems=int(zero.reduce_bucket_size),
                             grads_end=grads_end, b_p=training.precision.param_bytes,
                             gathered=_gathered(layout, tl, zero, training, finetune, flavour),
                             overlap=bool(zero.overlap_comm), grads_in_p_grad=step_pinned,
-                            multi_rank_flatten=bool(zero.reduce_scatter and zero.use_multi_rank_bucket_allreduce))
+                            multi_rank_flatten=bool(zero.reduce_scatter and zero.use_multi_rank_bucket_allreduce),
+                            keep_oversized=hooked)
+
+
+def _layouts(spec: ModelSpec, n_gpus: int, zero: ZeroConfig, layout: Layout | None, finetune: FineTuneViews | None,
+             train_layout: Layout | None) -> tuple[Layout, Layout]:
+    """(every parameter's layout, the trainable parameters' layout), built where not given."""
+    if layout is None:
+        layout = zero_layout(spec, n_gpus, zero)
+    if finetune is not None and train_layout is None:
+        train_layout = zero_layout(finetune.trainable, n_gpus, zero)
+    return layout, (layout if train_layout is None else train_layout)
 
 
 def _grads_outside_backward(stage: int, wrapper: str, grad_accum: int, grads_end: int, pb: Any) -> tuple[int, int]:
@@ -183,6 +196,15 @@ def _reason(phases: dict[str, PhaseMemory], peak_phase: str, live_peak: int, sta
             f"optimizer temporaries {buffers.get('optimizer_temp', 0) / 1e9:.2f} GB) on top of the model states; " + reason
         )
     return reason
+
+
+def step_reads_autograd(training: TrainingSetup, zero: ZeroConfig, *, flavour: str = "deepspeed") -> bool:
+    """``grads_from_autograd`` for one configuration, as ``memory_for_stage`` decides it (ZeRO-1 reducing
+    in the hooks keeps stage 2's gradient partition: core/memory_states.py ``stage1_reduces_in_hooks``)."""
+    stage, offload = int(zero.stage), zero.optimizer_offload_device != "none"
+    hooked = flavour != "paper" and stage1_reduces_in_hooks(stage, zero, training, offload=offload)
+    return grads_from_autograd(state_plan(training, stage, offload=offload, flavour=flavour, hooked=hooked).wrapper,
+                               2 if hooked else stage)
 
 
 def grads_from_autograd(wrapper: str, stage: int) -> bool:
@@ -290,15 +312,15 @@ def memory_for_stage(
     """
     zero = zero_or_default(zero)
     stage = int(zero.stage)
-    if layout is None:
-        layout = zero_layout(spec, n_gpus, zero)
-    if finetune is not None and train_layout is None:
-        train_layout = zero_layout(finetune.trainable, n_gpus, zero)
-    tl = layout if train_layout is None else train_layout
+    layout, tl = _layouts(spec, n_gpus, zero, layout, finetune, train_layout)
     off_opt, off_par = zero.optimizer_offload_device, zero.param_offload_device
-    sp = state_plan(training, stage, offload=off_opt != "none", flavour=flavour)
+    # ZeRO-1 with overlap_comm in one micro-step keeps its gradients as stage 2 does (core/memory_states.py);
+    # grad_stage: whose gradient life the buffers and the backward follow
+    hooked = flavour != "paper" and stage1_reduces_in_hooks(stage, zero, training, offload=off_opt != "none")
+    grad_stage, kw = (2 if hooked else stage), {"offload": off_opt != "none", "flavour": flavour, "hooked": hooked}
+    sp = state_plan(training, stage, **kw)
     notes: list[str] = [sp.note] if sp.note else []
-    params, grads_end, opt = model_state_bytes(tl, training, stage, offload=off_opt != "none", flavour=flavour)
+    params, grads_end, opt = model_state_bytes(tl, training, stage, **kw)
     if finetune is not None:
         params = _finetune_param_bytes(finetune, layout, params, training.precision.param_bytes, stage)
         notes.append(_finetune_note(finetune, stage))
@@ -307,7 +329,7 @@ def memory_for_stage(
     gpu_params, gpu_opt, gpu_grads_end = _on_gpu(params, opt, grads_end, sp.grad_bytes, tl, layout, training,
                                                  stage, off_opt, off_par)
 
-    pb = phase_buffers(tl, training, zero, stage, off_opt=off_opt, grad_bytes=sp.grad_bytes,
+    pb = phase_buffers(tl, training, zero, grad_stage, off_opt=off_opt, grad_bytes=sp.grad_bytes,
                        grad_end=gpu_grads_end, wrapper=sp.wrapper, gather_layout=layout,
                        cublas_workspace_bytes=int((overhead or {}).get("cublas_workspace_bytes", 0)))
     grads_fwd, step_grads = _grads_outside_backward(stage, sp.wrapper, training.grad_accum, gpu_grads_end, pb)
@@ -316,8 +338,8 @@ def memory_for_stage(
     host = host_memory(tl, training, zero, stage, off_opt=off_opt, off_par=off_par, gpus_per_node=gpus_per_node,
                        master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes,
                        activation_host_bytes=act.host_checkpoints)
-    step_pinned = grads_from_autograd(sp.wrapper, stage)
-    moments = _moments(pb, layout, tl, zero, training, finetune, flavour, gpu_grads_end, step_pinned)
+    step_pinned = step_reads_autograd(training, zero, flavour=flavour)
+    moments = _moments(pb, layout, tl, zero, training, finetune, flavour, gpu_grads_end, step_pinned, hooked)
     phases = _phases(act, pb, moments, gpu_params, gpu_opt, grads_fwd, step_grads)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 

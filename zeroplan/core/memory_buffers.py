@@ -154,6 +154,12 @@ def _stage12(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Train
         d["ipg_bucket"] = b_g * rbs * (2 if overlap else 1)
         pb.backward += d["ipg_bucket"]
         pb.held["backward"] = d["ipg_bucket"]  # allocated at the first backward, kept (ipg_buffer)
+        if stage == 1 and training.grad_accum > 1 and off_opt == "none":
+            # allocated at the first micro-step's first gradient hook and released by the epilogue, which
+            # stage 1 runs at the boundary only (engine.py allreduce_gradients): live through the later
+            # micro-steps' forwards (measured: peak-live-stage1-gas2-forward-b1-s512.json)
+            pb.forward += d["ipg_bucket"]
+            pb.held["forward"] = pb.held.get("forward", 0) + d["ipg_bucket"]
     d["allreduce_flatten"] = b_c * _flatten_copy_12(layout, zero, stage, contiguous)
     pb.backward += d["allreduce_flatten"]
     if overlap:  # reduce_ipg_grads runs the reduction on reduction_stream
@@ -195,7 +201,8 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Training
           wrapper: str) -> None:
     """The optimizer step's transients (no optimizer offload); sets ``pb.step_grads``.
 
-    Stages 1/2 (stage_1_and_2.py ``step``): gradients outside the partition are freed, the
+    Stages 1/2 (stage_1_and_2.py ``step``): the gradient norm casts each gradient tensor of the
+    partition to fp64 in turn (``get_grad_norm_direct``); gradients outside the partition are freed, the
     partition's gradients are flattened (a b_g copy) and cast to fp32 (``single_grad_partition``);
     the flat copy is deleted and the 16-bit gradients freed *before* ``_optimizer_step`` — so the
     optimizer's temporaries never coexist with the 16-bit gradients. BF16_Optimizer keeps its
@@ -219,7 +226,11 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Training
     if stage in (1, 2) and wrapper != "bf16_optimizer":
         pb.step_grads = b_g * layout.grad_partition_12_max  # grads_in_partition, live through the cast
         d["step_fp32_grad"] = cast
-        pb.step_transient = max(cast, 4 * group + temps - pb.step_grads)
+        # scaled_global_norm first: each gradient tensor of the partition cast to fp64 in turn, beside the
+        # gradient partition (Layout.step_norm_peak_12; cpu_offload takes another path)
+        norm = layout.step_norm_peak_12(b_g, 8) - pb.step_grads if zero.compute_grad_norm else 0
+        d["step_grad_norm_fp64"] = max(0, norm)
+        pb.step_transient = max(cast, 4 * group + temps - pb.step_grads, norm)
     elif stage == 3:
         pb.step_grads = grad_end
         d["step_fp32_grad"] = cast

@@ -24,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroplan.core.layout import Layout
+from zeroplan.specs.ds_schema import ZeroConfig
 from zeroplan.specs.training import TrainingSetup
 
-__all__ = ["FLAVOURS", "StatePlan", "model_state_bytes", "optimizer_temp_bytes", "state_plan"]
+__all__ = ["FLAVOURS", "StatePlan", "model_state_bytes", "optimizer_temp_bytes", "stage1_reduces_in_hooks", "state_plan"]
 
 FLAVOURS = ("deepspeed", "paper")
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -43,7 +44,28 @@ class StatePlan:
     note: str | None = None
 
 
-def state_plan(training: TrainingSetup, stage: int, *, offload: bool = False, flavour: str = "deepspeed") -> StatePlan:
+def stage1_reduces_in_hooks(stage: int, zero: ZeroConfig, training: TrainingSetup, *, offload: bool) -> bool:
+    """Whether ZeRO-1 keeps its gradients as stage 2 does, reduced in the backward's gradient hooks.
+
+    DeepSpeed 0.19.8 ``stage_1_and_2.py``: with ``overlap_comm`` the hook's ``process_gradients`` calls
+    ``reduce_ready_partitions_and_remove_grads``, which on the accumulation boundary runs
+    ``reduce_independent_p_g_buckets_and_remove_grads``. Each gradient is copied into the ipg bucket (two
+    with ``overlap_comm``) and its own storage freed, a bucket is flushed when the next gradient would
+    overflow it, and ``reduce_ipg_grads`` copies the owned gradients into ``grads_in_partition``. With
+    one micro-step per optimizer step no whole-model gradient is kept (measured on real DeepSpeed:
+    ``examples/validation/cpu-replay/peak-live-stage1-overlap-*.json``). With more, ``p.grad`` accumulates
+    over the earlier micro-steps and the boundary's backward starts with it, as without ``overlap_comm``.
+    Contiguous gradients (the bucket) and no optimizer offload; gradients in the model dtype (another
+    accumulation dtype takes ``use_grad_accum_attribute`` or BF16_Optimizer)."""
+    acc = training.grad_accum_dtype or training.precision.name
+    return (stage == 1 and bool(zero.overlap_comm) and bool(zero.contiguous_gradients) and not offload
+            and training.grad_accum == 1 and acc == training.precision.name)
+
+
+def state_plan(training: TrainingSetup, stage: int, *, offload: bool = False, flavour: str = "deepspeed",
+               hooked: bool = False) -> StatePlan:
+    """What DeepSpeed keeps for ``stage`` (module docstring); ``hooked``: stage 1 reduces in the
+    gradient hooks (``stage1_reduces_in_hooks``), so its gradients are the partition's, as stage 2's."""
     prec = training.precision
     if flavour == "paper":
         return StatePlan("paper", prec.master_bytes, prec.grad_bytes, stage <= 1)
@@ -54,7 +76,7 @@ def state_plan(training: TrainingSetup, stage: int, *, offload: bool = False, fl
         if model == "bf16" and acc == "fp32" and stage == 1 and not offload:
             # engine.py _do_optimizer_sanity_check -> BFLOAT16 -> BF16_Optimizer
             return StatePlan("bf16_optimizer", 4, 4, True)
-        return StatePlan("zero", prec.master_bytes, acc_bytes, stage == 1)
+        return StatePlan("zero", prec.master_bytes, acc_bytes, stage == 1 and not hooked)
     if acc != model:
         return StatePlan("unsupported", prec.master_bytes, prec.grad_bytes, True,
                          note=(f"DeepSpeed 0.19.8 rejects {model} training with grad_accum_dtype {acc} without ZeRO "
@@ -67,10 +89,10 @@ def state_plan(training: TrainingSetup, stage: int, *, offload: bool = False, fl
 
 
 def model_state_bytes(layout: Layout, training: TrainingSetup, stage: int, *, offload: bool = False,
-                      flavour: str = "deepspeed") -> tuple[int, int, int]:
+                      flavour: str = "deepspeed", hooked: bool = False) -> tuple[int, int, int]:
     """(params, gradients, optimizer_states) bytes per GPU at the end of backward, padded as
-    DeepSpeed lays buffers out (core/layout.py), before any offload is applied."""
-    sp = state_plan(training, stage, offload=offload, flavour=flavour)
+    DeepSpeed lays buffers out (core/layout.py), before any offload is applied (``hooked``: state_plan)."""
+    sp = state_plan(training, stage, offload=offload, flavour=flavour, hooked=hooked)
     k = sp.master_bytes + training.optimizer.state_bytes
     b_p = training.precision.param_bytes
     if stage == 0:

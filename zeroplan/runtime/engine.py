@@ -215,7 +215,9 @@ class ZeroEngine:
 
     def _model_state_snapshot(self) -> dict[str, int]:
         cur = self.meter.current_by_category()
-        return {k: cur.get(k, 0) for k in ("params", "gradients", "optimizer_states")}
+        out = {k: cur.get(k, 0) for k in ("params", "gradients", "optimizer_states")}
+        out["gradients"] = max(out["gradients"], self.strategy.accumulated_grad_bytes())
+        return out
 
     def close(self) -> None:
         """Remove the hooks the engine installed on the model."""

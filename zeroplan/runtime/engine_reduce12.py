@@ -53,18 +53,18 @@ class BucketReduce12:
                     start, run, pieces = None, 0, 0
             if start is not None:
                 groups.append((start, slices[-1][1], pieces))
+            # with overlap_comm the all-reduce runs on DeepSpeed's reduction stream, and
+            # allreduce_and_copy_with_multiple_ranks copies the result back and drops the flatten copy in
+            # the same call: the caching allocator frees it at once (stream-ordered), so a flush's copy never
+            # outlives the flush. Work.wait() on NCCL only orders the current stream after the collective.
             async_op = self.overlap and slot is not None
             for a, b, pieces in groups:
                 src = buf[a - lo:b - lo]
                 # DeepSpeed's flatten copy: flatten_dense_tensors of one piece is a view
                 flat = self._tag(src.clone(), "buffers") if pieces > 1 else src
-                h = self.comm.all_reduce(flat, async_op=async_op)
-                item = [h, flat, (a, b), src]
+                item = [self.comm.all_reduce(flat, async_op=async_op), flat, (a, b), src]
                 del flat  # held by the item alone, so that _finish_12 can free it
-                if async_op:
-                    self._pending.append((slot, item))
-                else:
-                    self._finish_12(item)
+                self._finish_12(item)
         else:
             for a, b in slices:
                 owner = a // self.part_n
@@ -84,7 +84,6 @@ class BucketReduce12:
             return None, None
         slot = self._ipg_slot
         self._ipg_slot = (slot + 1) % len(self.ipg)
-        self._wait_slot(slot)
         got = (slot, self.ipg[slot][:hi - lo])
         self._bucket_bufs[k] = got
         return got
@@ -98,20 +97,6 @@ class BucketReduce12:
         buf[self.offsets[i] - lo:self.offsets[i] - lo + self.numels[i]].copy_(grad)
         self._copied.add(i)
         return True
-
-    def _wait_slot(self, slot: int) -> None:
-        keep = []
-        for s, item in self._pending:
-            if s == slot:
-                self._finish_12(item)
-            else:
-                keep.append((s, item))
-        self._pending = keep
-
-    def _drain(self) -> None:
-        for _, item in self._pending:
-            self._finish_12(item)
-        self._pending = []
 
     def _finish_12(self, item: list) -> None:
         """Complete one all-reduce: [handle, flatten copy or the bucket's view, (lo, hi), the bucket's view].
@@ -144,7 +129,6 @@ class BucketReduce12:
         self._bucket_bufs, self._copied = {}, set()
         for k in range(len(self.buckets)):
             self._reduce_bucket_12(k, source)
-        self._drain()
         self._free_ipg()
 
     def _paper_reduce_scatter_12(self, source_flat: Any) -> None:

@@ -38,7 +38,6 @@ class Stage12Strategy(BucketReduce12, GradHooks, FlatLayout, StageStrategy):
         self.grad_part = None
         self.buckets = self._flat_buckets(self._bucket_order(), self.rbs)
         self.ipg: list[Any] = []
-        self._pending: list[tuple[int, list]] = []  # (ipg slot, _finish_12 item)
         self._bucket_bufs: dict[int, tuple[Any, Any]] = {}
         self._copied: set[int] = set()
 
@@ -117,23 +116,68 @@ class Stage1Strategy(Stage12Strategy):
 
     With ``ds_stage1_grads`` (DeepSpeed on CUDA, contiguous gradients, no offload) the per-parameter
     gradients are kept instead, freed into the bucket as it is reduced, and the owned slices land in
-    ``grads_in_partition`` (stage_1_and_2.py copy_grads_in_partition)."""
+    ``grads_in_partition`` (stage_1_and_2.py copy_grads_in_partition). With ``hooked`` (DeepSpeed with
+    ``overlap_comm``, on any device) the boundary micro-step's gradient hooks do that as stage 2's do
+    (``process_gradients`` -> ``reduce_ready_partitions_and_remove_grads``): each gradient moved into one
+    of the two buckets as it arrives, a bucket flushed in the hook of the gradient that overflows it; the
+    earlier micro-steps' hooks only allocate the buckets. A lone gradient larger than the bucket that this
+    rank does not own is not cleared (``reduce_ipg_grads`` clears nothing at stage 1): it stays
+    autograd's to the end of the backward (the epilogue's ``_clear_param_grad_only``)."""
 
     def setup(self) -> None:
+        self.hooked = self.ds and self.overlap and self.contiguous and not self.offload
         # DeepSpeed on CUDA (contiguous gradients, no offload): per-param grads freed into the bucket,
         # grads_in_partition kept
-        self.ds_stage1_grads = self.mimic == "deepspeed-cuda" and self.ds and self.contiguous and not self.offload
+        self.ds_stage1_grads = self.hooked or (
+            self.mimic == "deepspeed-cuda" and self.ds and self.contiguous and not self.offload)
+        self.flush_in_next_hook = self.hooked
+        self._at_boundary, self._kept, self._accum_bytes = True, [], 0
         super().setup()
+        if self.hooked:
+            self._install_grad_hooks()
 
     def _bucket_order(self) -> str:
         # without overlap_comm stage 1 reduces after backward in parameter order; hooks give reverse order
         return "reverse" if self.overlap else "forward"
 
     def before_backward(self) -> None:
-        if not self.ds_stage1_grads:
+        if self.hooked:
+            self._at_boundary = (self.engine.micro_step + 1) % self.grad_accum == 0
+            self._ipg_slot = 0
+            self._begin_backward_hooks()
+        elif not self.ds_stage1_grads:
             self._attach_flat_grads(self.padded)
 
+    def _grad_ready(self, i: int) -> None:
+        self._alloc_ipg(2)  # setup_buckets, at the first hook of every backward
+        if self._at_boundary:
+            super()._grad_ready(i)
+
+    def _flush_bucket(self, k: int) -> None:
+        lo, hi, ps = self.buckets[k]
+        if len(ps) == 1 and hi - lo > self.rbs and self._owned(lo, hi) is None:
+            self._kept.append(self.params[ps[0]].grad)  # not cleared: autograd's to the end of the backward
+        super()._flush_bucket(k)
+
+    def accumulated_grad_bytes(self) -> int:
+        return self._accum_bytes
+
+    def after_backward(self) -> None:
+        if not self.hooked:
+            return
+        if not self._at_boundary:  # autograd's p.grad, accumulated to the boundary's hooks
+            self._accum_bytes = max(self._accum_bytes, sum(p.grad.numel() * p.grad.element_size()
+                                                           for p in self.params if p.grad is not None))
+        else:  # the epilogue (engine.py allreduce_gradients: stage 1 at the boundary only)
+            if self._ptr != len(self._order):
+                raise RuntimeError("stage 1: some parameters received no gradient in backward")
+            self._flush_last_bucket()
+            self._free_ipg()  # _release_ipg_buffers
+            self._kept = []
+
     def boundary(self) -> None:
+        if self.hooked:  # reduced in the boundary micro-step's hooks
+            return
         with self.torch.no_grad():
             if self.ds_stage1_grads:
                 self._reduce_all_12(lambda i: self.params[i].grad.reshape(-1))
@@ -155,6 +199,7 @@ class Stage1Strategy(Stage12Strategy):
         return self.flat_grad[self.part_lo:self.part_lo + self.part_n]
 
     def _after_step(self) -> None:
+        self._accum_bytes = 0
         if self.ds_stage1_grads:
             self.grad_part = None
         else:
@@ -188,7 +233,6 @@ class Stage2Strategy(Stage12Strategy):
             if self._ptr != len(self._order):
                 raise RuntimeError("stage 2: some parameters received no gradient in backward")
             self._flush_last_bucket()
-            self._drain()
             self._free_ipg()
         else:
             self._paper_reduce_scatter_12(lambda i: self.params[i].grad.reshape(-1))

@@ -57,6 +57,11 @@ class StageStrategy(EngineBase, ABC):
     def boundary(self) -> None:
         """Once per optimizer step, after the last backward: the reduction not done during backward."""
 
+    def accumulated_grad_bytes(self) -> int:
+        """Gradient bytes held between the micro-steps where they exceed what the step holds (the model
+        states' gradients are their largest at the end of a backward); 0 where the step holds them all."""
+        return 0
+
     @abstractmethod
     def step(self) -> None:
         """The optimizer step and the collectives that follow it (under ``torch.no_grad()``)."""

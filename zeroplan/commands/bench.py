@@ -177,7 +177,6 @@ def collectives(
     With --hardware, every row also shows the time and bus bandwidth the planner predicts for
     that op and size on that profile (core/timing.collective_time_s).
     """
-    require_torch("bench collectives")
     from zeroplan.bench.collectives import (
         BenchConfig,
         add_predictions,
@@ -201,6 +200,7 @@ def collectives(
         from zeroplan.specs.hardware import load_profile
 
         hw_profile = load_profile(hardware)  # fail on a bad profile before running anything
+    require_torch("bench collectives")  # after the torch-free checks: a typo is reported at once
     show_progress = not json_out and sys.stdout.isatty() and not under_torchrun()
     report = run_ranks("bench collectives", lambda: _run_sweep(cfg, nproc, backend, timeout, show_progress))
     if report is None:  # a non-zero torchrun rank: rank 0 reports

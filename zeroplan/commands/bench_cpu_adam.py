@@ -87,7 +87,6 @@ def cpu_adam(
     """
     from zeroplan.commands.bench import check_profile_paths, emit_report, require_torch, run_ranks
 
-    require_torch("bench cpu-adam")
     from zeroplan.bench.cpu_adam import check_config, check_savable, run_cpu_adam, save_cpu_adam_profile
     from zeroplan.runtime.launch import check_timeout, check_world_size
 
@@ -106,6 +105,7 @@ def cpu_adam(
                         optimizer=optimizer, bind_cores=bind_cores)
     check_world_size(nproc)
     check_config(cfg, nproc)  # bad settings: one line before the progress line and any process
+    require_torch("bench cpu-adam")  # after the torch-free checks: a typo is reported at once
     if not json_out:  # progress on stderr: stdout stays the report
         build = " (DeepSpeed builds its cpu_adam op on first use)" if optimizer == "deepspeed" else ""
         err_console().print(f"bench cpu-adam: {nproc} process(es) × {cfg.params:,} parameters{build} …",

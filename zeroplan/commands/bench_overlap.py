@@ -81,19 +81,20 @@ def overlap(
     """
     from zeroplan.commands.bench import check_profile_paths, emit_report, require_torch, run_ranks
 
-    require_torch("bench overlap")
     from zeroplan.bench.collectives import parse_size
-    from zeroplan.bench.overlap import OverlapConfig, run_overlap, save_overlap_profile
+    from zeroplan.bench.overlap import OverlapConfig, resolve_config, run_overlap, save_overlap_profile
     from zeroplan.runtime.launch import check_timeout
 
     cfg = OverlapConfig(hidden=hidden, tokens=tokens, dtype=dtype, warmup=warmup, iters=iters, op=op.replace("-", "_"),
                         size_bytes=None if size is None else parse_size(size, "--size"))
+    resolve_config(cfg, "cpu")  # the flags' own checks, torch-free (run_overlap applies the device's defaults)
     check_profile_paths(save_profile, output, hardware)
     check_timeout(timeout)
     if hardware is not None:
         from zeroplan.specs.hardware import load_profile
 
         load_profile(hardware)  # a bad profile fails before any rank starts
+    require_torch("bench overlap")  # after the torch-free checks: a typo is reported at once
     report = run_ranks("bench overlap", lambda: run_overlap(cfg, nproc=nproc, backend=backend, timeout_s=timeout))
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return

@@ -56,7 +56,6 @@ def validate(
     planner; needs one CUDA GPU, more for the multi-GPU checks."""
     from zeroplan.commands.bench import require_torch
 
-    require_torch("validate")
     wanted = tuple(c.strip() for c in checks.split(",") if c.strip())
     bad = [c for c in wanted if c not in _CHECKS]
     if bad or not wanted:
@@ -71,6 +70,7 @@ def validate(
         from zeroplan.specs.hardware import load_profile
 
         hw = load_profile(hardware)
+    require_torch("validate")  # after the torch-free checks: a typo is reported at once
     ok, why = cuda_status()
     if not ok:
         raise InputError(f"no CUDA device: {why}; run zeroplan validate on a GPU node")

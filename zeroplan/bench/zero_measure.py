@@ -90,7 +90,8 @@ def measure_rank(rank: int, world: int, spec: Any, runs: list[dict[str, Any]], d
             if engine is not None:
                 engine.close()
             del engine, model
-            gc.collect()
+            gc.collect()  # this run's garbage; what is alive now is frozen, so the next collection skips it
+            gc.freeze()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         out.append(res)

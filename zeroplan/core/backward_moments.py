@@ -168,7 +168,7 @@ def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: 
                        gathered=gathered)
     if stage != 2 or off_opt != "none" or not ipg:  # ipg_bucket: contiguous gradients
         return _two_ends(pb, hg, stage=stage, grads_end=grads_end, b_p=b_p, overlap=overlap, kept=grads_in_p_grad,
-                         offload=off_opt != "none", ipg_kept=pb.held.get("forward", 0) >= ipg > 0)
+                         offload=off_opt != "none", ipg_kept=pb.ipg_through_forward)
     return _stage2(pb, layout, hg, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, grads_end=grads_end,
                    copies=multi_rank_flatten, keep_oversized=keep_oversized)
 

@@ -56,6 +56,7 @@ class PhaseBuffers:
     # per phase, gradient bytes autograd holds before DeepSpeed's hooks take them (core/backward_moments.py
     # autograd): counted as gradients, but churned with the activations, never held
     churned: dict[str, int] = field(default_factory=dict)
+    ipg_through_forward: bool = False  # stage 1 over several micro-steps: the bucket outlives each backward
 
 
 def _prefetch(sizes: list[int], j: int, room: int) -> int:
@@ -160,6 +161,7 @@ def _stage12(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Train
             # micro-steps' forwards (measured: peak-live-stage1-gas2-forward-b1-s512.json)
             pb.forward += d["ipg_bucket"]
             pb.held["forward"] = pb.held.get("forward", 0) + d["ipg_bucket"]
+            pb.ipg_through_forward = True
     d["allreduce_flatten"] = b_c * _flatten_copy_12(layout, zero, stage, contiguous)
     pb.backward += d["allreduce_flatten"]
     if overlap:  # reduce_ipg_grads runs the reduction on reduction_stream

@@ -256,10 +256,12 @@ def _check(spec, n, run, per_rank, k, *, against_plan=True, **sched_kw):
         for rank, r in enumerate(res):
             ms = r["model_states"]
             p, g, o = expected_states(spec, n, stage, b, rank=rank, flavour=run["comm_model"])
-            if stage == 1 and z.overlap_comm and run["comm_model"] == "deepspeed":
-                # reduced in the boundary's hooks (DeepSpeed's overlap_comm): the gradient partition (stage 2's
-                # closed form) in one micro-step; over several, autograd's per-parameter gradients until then
-                g = expected_states(spec, n, 2, b, rank=rank)[1] if run["grad_accum"] == 1 else b * sum(_tensors(spec))
+            if stage == 1 and run["comm_model"] == "deepspeed" and z.contiguous_gradients:
+                # DeepSpeed keeps autograd's per-parameter gradients (unpadded) to the boundary; with
+                # overlap_comm in one micro-step its hooks reduce them at once: the gradient partition (stage
+                # 2's closed form)
+                hooked = z.overlap_comm and run["grad_accum"] == 1
+                g = expected_states(spec, n, 2, b, rank=rank)[1] if hooked else b * sum(_tensors(spec))
             assert (ms["params"], ms["gradients"], ms["optimizer_states"]) == (p, g, o), rank
     # the planner reports the largest rank
     for cat in ("params", "gradients", "optimizer_states"):

@@ -234,19 +234,18 @@ def test_mimic_defaults_by_device():
         resolve_mimic("deepspeed-tpu", "cpu")
 
 
-def test_deepspeed_cuda_stage1_frees_full_gradients_and_the_flat_partition():
-    from zeroplan.runtime.engine import grad_span
-
-    e_p, loss_p, states_p, peaks_p, params_p = _train("planner", 1)
+def test_stage1_keeps_autograds_gradients_with_either_mimic_and_the_cuda_step_frees_the_flat_copy():
+    """Stage 1's per-parameter gradients are DeepSpeed's on CPU and CUDA alike (tests/test_stage1_hooks.py
+    measures them against DeepSpeed on CPU): both mimics hold autograd's gradients to the boundary. The
+    mimics differ in the step: DeepSpeed on CUDA deletes the bit16 flat copy of the partition before the
+    optimizer runs."""
+    _, loss_p, states_p, peaks_p, params_p = _train("planner", 1)
     e_d, loss_d, states_d, peaks_d, params_d = _train("deepspeed-cuda", 1)
     assert loss_p == loss_d and all(torch.equal(a, b) for a, b in zip(params_p, params_d))
-    # at the step only grads_in_partition is left: the whole params overlapping rank 0's slice
-    s_d, s_p = e_d.strategy, e_p.strategy  # the stage-1 strategy owns the partition layout
-    lo, hi = grad_span(e_d.numels, s_d.part_lo, s_d.part_lo + s_d.part_n)
-    assert states_d["gradients"] == 2 * (hi - lo) < states_p["gradients"] == 2 * s_p.padded
-    # the step no longer stacks the bit16 flat copy and a group-sized fp32 temporary
+    assert states_d["gradients"] == states_p["gradients"] == 2 * sum(e_d.numels)
+    s_d = e_d.strategy  # the stage-1 strategy owns the partition layout
     saved = peaks_p["step"]["peak"] - peaks_d["step"]["peak"]
-    assert saved >= 2 * s_d.part_n + 4 * s_d.part_n
+    assert saved >= 2 * s_d.part_n
 
 
 def test_fused_adam_chunks_match_the_unchunked_update_bit_for_bit(monkeypatch):

@@ -27,7 +27,10 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
   place, as torch's ``flatten_dense_tensors`` returns a lone tensor as a view); a lone gradient
   larger than the bucket skips the ipg buffer and is reduced where autograd left it; with
   ``use_multi_rank_bucket_allreduce=false`` each slice is ``reduce``d to its owner. Stage 1
-  keeps full flat gradients (Ψ₁₂) and reduces once at the boundary; stage 2 reduces every
+  keeps autograd's per-parameter gradients to the boundary (with ``contiguous_gradients``; one flat
+  Ψ₁₂ buffer without) and reduces once there, after the backward or, with ``overlap_comm``, in the
+  boundary micro-step's hooks as stage 2 (measured against DeepSpeed 0.19.8 on CPU:
+  tests/test_stage1_hooks.py); stage 2 reduces every
   micro-step from post-accumulate-grad hooks (a full bucket in the hook of the gradient that
   overflows it, the last after the backward) and keeps only its Ψ₁₂/N partition. After the step: one in-place all-gather of the flat buffer, the
   1-byte overflow flag (bf16/fp16 only) and the 4-byte norm.
@@ -73,13 +76,13 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
     updates in chunks of 2048·32 elements in registers): no step temporary of the group's
     size; the emulation here applies AdamW chunk by chunk (``FUSED_ADAM_CHUNK`` elements);
   * ``DeepSpeedZeroOptimizer.step`` (stage_1_and_2.py) flattens the gradient partition,
-    converts it to fp32 and deletes the bit16 flat copy BEFORE ``_optimizer_step``;
-  * stage 1 with ``contiguous_gradients`` keeps per-parameter gradients until the boundary;
-    ``reduce_independent_p_g_buckets_and_remove_grads`` copies each into the ipg bucket and
-    re-points ``.grad`` into it (the full-size gradient is freed), and ``reduce_ipg_grads`` ->
-    ``copy_grads_in_partition`` copies the owned slices into ``grads_in_partition`` (sized by
-    the whole params overlapping the partition); ``step`` frees the gradients outside the
-    partition (``free_grad_in_param_list``) before flattening.
+    converts it to fp32 and deletes the bit16 flat copy BEFORE ``_optimizer_step``.
+  Stage 1's per-parameter gradients are DeepSpeed's with either mimic (DeepSpeed keeps them on CPU
+  too): ``reduce_independent_p_g_buckets_and_remove_grads`` copies each into the ipg bucket and
+  re-points ``.grad`` into it (the full-size gradient is freed), and ``reduce_ipg_grads`` ->
+  ``copy_grads_in_partition`` copies the owned slices into ``grads_in_partition`` (sized by the whole
+  params overlapping the partition); ``step`` frees the gradients outside the partition
+  (``free_grad_in_param_list``) before flattening.
 - Not implemented: stage-3 param offload (``offload_param``), prefetch *ahead* of use (chunks
   are gathered on demand; the bytes and calls are DeepSpeed's), ZeRO++ (qwZ/hpZ/qgZ), fp16
   loss scaling (fp16 runs unscaled), gradient clipping.

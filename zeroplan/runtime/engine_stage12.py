@@ -112,12 +112,15 @@ class Stage12Strategy(BucketReduce12, GradHooks, FlatLayout, StageStrategy):
 
 
 class Stage1Strategy(Stage12Strategy):
-    """Stage 1: full flat gradients (Ψ₁₂) accumulated over the micro-steps, reduced once at the boundary.
+    """Stage 1: gradients accumulated over the micro-steps, reduced once at the boundary.
 
-    With ``ds_stage1_grads`` (DeepSpeed on CUDA, contiguous gradients, no offload) the per-parameter
-    gradients are kept instead, freed into the bucket as it is reduced, and the owned slices land in
-    ``grads_in_partition`` (stage_1_and_2.py copy_grads_in_partition). With ``hooked`` (DeepSpeed with
-    ``overlap_comm``, on any device) the boundary micro-step's gradient hooks do that as stage 2's do
+    With ``ds_stage1_grads`` (DeepSpeed's flavour with contiguous gradients and no offload, on any device:
+    DeepSpeed does this on CPU too) autograd's per-parameter gradients are kept, the bucket is set up at
+    each backward's first gradient hook and kept to the boundary (``setup_buckets``; the epilogue that
+    releases it runs at the boundary only), the gradients are freed into the bucket as it is reduced, and
+    the owned slices land in ``grads_in_partition`` (stage_1_and_2.py copy_grads_in_partition); otherwise
+    one flat Ψ₁₂ buffer. With ``hooked`` (``overlap_comm`` too) the boundary micro-step's gradient hooks
+    do the reduction as stage 2's do
     (``process_gradients`` -> ``reduce_ready_partitions_and_remove_grads``): each gradient moved into one
     of the two buckets as it arrives, a bucket flushed in the hook of the gradient that overflows it; the
     earlier micro-steps' hooks only allocate the buckets. A lone gradient larger than the bucket that this
@@ -126,14 +129,11 @@ class Stage1Strategy(Stage12Strategy):
 
     def setup(self) -> None:
         self.hooked = self.ds and self.overlap and self.contiguous and not self.offload
-        # DeepSpeed on CUDA (contiguous gradients, no offload): per-param grads freed into the bucket,
-        # grads_in_partition kept
-        self.ds_stage1_grads = self.hooked or (
-            self.mimic == "deepspeed-cuda" and self.ds and self.contiguous and not self.offload)
+        self.ds_stage1_grads = self.ds and self.contiguous and not self.offload
         self.flush_in_next_hook = self.hooked
         self._at_boundary, self._kept, self._accum_bytes = True, [], 0
         super().setup()
-        if self.hooked:
+        if self.ds_stage1_grads:  # contiguous gradients: DeepSpeed's hooks set the bucket up (and reduce: hooked)
             self._install_grad_hooks()
 
     def _bucket_order(self) -> str:
@@ -149,8 +149,8 @@ class Stage1Strategy(Stage12Strategy):
             self._attach_flat_grads(self.padded)
 
     def _grad_ready(self, i: int) -> None:
-        self._alloc_ipg(2)  # setup_buckets, at the first hook of every backward
-        if self._at_boundary:
+        self._alloc_ipg(2 if self.overlap else 1)  # setup_buckets, at the first hook of every backward
+        if self.hooked and self._at_boundary:
             super()._grad_ready(i)
 
     def _flush_bucket(self, k: int) -> None:
@@ -163,12 +163,11 @@ class Stage1Strategy(Stage12Strategy):
         return self._accum_bytes
 
     def after_backward(self) -> None:
-        if not self.hooked:
-            return
-        if not self._at_boundary:  # autograd's p.grad, accumulated to the boundary's hooks
+        if self.ds_stage1_grads and not (self.hooked and self._at_boundary):
+            # autograd's p.grad, accumulated to the boundary (its hooks, or reduce_gradients after it)
             self._accum_bytes = max(self._accum_bytes, sum(p.grad.numel() * p.grad.element_size()
                                                            for p in self.params if p.grad is not None))
-        else:  # the epilogue (engine.py allreduce_gradients: stage 1 at the boundary only)
+        if self.hooked and self._at_boundary:  # the epilogue (engine.py allreduce_gradients: at the boundary only)
             if self._ptr != len(self._order):
                 raise RuntimeError("stage 1: some parameters received no gradient in backward")
             self._flush_last_bucket()

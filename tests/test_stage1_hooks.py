@@ -107,7 +107,8 @@ def test_the_rule_holds_only_where_deepspeed_reduces_in_the_hooks():
 
 @pytest.mark.parametrize("name", ["peak-live-stage1-overlap-b1-s512.json", "peak-live-stage1-overlap-rbs1e8-b1-s512.json",
                                   "peak-live-stage1-overlap-gas2-b1-s512.json", "peak-live-stage1-b1-s512.json",
-                                  "peak-live-stage1-gas2-b1-s512.json"])
+                                  "peak-live-stage1-gas2-b1-s512.json", "peak-live-stage1-b4-s2048.json",
+                                  "peak-live-tied-stage1-b1-s512.json"])
 def test_the_bundled_engine_holds_what_deepspeed_held(name):
     """The bundled runtime, simulated at full width under FakeTensorMode as the same rank (runtime/engine_stage12.py
     Stage1Strategy): autograd's per-parameter gradients to the boundary, the bucket set up at each backward's

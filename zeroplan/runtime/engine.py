@@ -62,7 +62,11 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
   bucket k holds chunk k of every rank (N·c elements, the last one shorter): ⌈(Ψ₁₂/N)/c⌉
   calls per reduction, Σ = Ψ₁₂ elements. A reduce-scatter needs equal per-rank chunks, so the
   greedy tensor buckets of ``core.comm``'s paper flavour cannot be executed as such.
-- The step: per optimizer group (stage 3: ``sub_group_size`` sub-groups; else the partition) a
+- The step, DeepSpeed's flavour of stages 1-2 with contiguous gradients (stage_1_and_2.py ``step``):
+  the norm first, each gradient tensor of the partition cast to fp64 in turn; then the bit16 flatten
+  copy and its fp32 cast, the flat copy deleted and the gradient partition freed before AdamW (measured
+  against DeepSpeed on CPU: tests/test_step_norm.py). Otherwise, per optimizer group (stage 3:
+  ``sub_group_size`` sub-groups; else the partition) a
   bit16 flatten copy of the gradient partition, its fp32 copy (mixed precision) and one fp32
   AdamW temporary (the denominator) are live, then the bit16 values are written back.
   ``offload_optimizer`` keeps the fp32 master, m, v, the fp32 gradient and (stages 2-3) the

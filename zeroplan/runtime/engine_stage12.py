@@ -82,10 +82,13 @@ class Stage12Strategy(BucketReduce12, GradHooks, FlatLayout, StageStrategy):
     def step(self) -> None:
         """AdamW on the owned partition, the flag and norm all-reduces, the all-gather."""
         torch = self.torch
-        src = self._step_source()
-        self._step_group(src, self.master, self.m, self.v,
-                         self.flat_param[self.part_lo:self.part_lo + self.part_n], 0)
-        del src
+        lp_out = self.flat_param[self.part_lo:self.part_lo + self.part_n]
+        if self._ds_partition_step():
+            self._ds_step_12(lp_out)
+        else:
+            src = self._step_source()
+            self._step_group(src, self.master, self.m, self.v, lp_out, 0)
+            del src
         if self.ds:
             if self.mixed:  # the overflow flag exists with a loss scaler / bit16 only
                 flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
@@ -95,6 +98,33 @@ class Stage12Strategy(BucketReduce12, GradHooks, FlatLayout, StageStrategy):
         lo = self.part_lo
         self.comm.all_gather(self.flat_param, self.flat_param[lo:lo + self.part_n])
         self._after_step()
+
+    def _ds_partition_step(self) -> bool:
+        """Whether the step is DeepSpeed's on a gradient partition buffer (``_ds_step_12``)."""
+        return self.ds and not self.offload and self.contiguous
+
+    def _ds_step_12(self, lp_out: Any) -> None:
+        """DeepSpeed's stage-1/2 step (stage_1_and_2.py ``step``): the norm first, each gradient tensor of the
+        partition cast to fp64 in turn (``get_grad_norm_direct``, ``get_norm_dtype``); then the flatten, its
+        fp32 cast, the flat copy deleted and the gradient partition freed before the optimizer runs."""
+        torch = self.torch
+        src = self._step_source()
+        norm_sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        p_lo, p_hi = self.part_lo, self.part_lo + self.part_n
+        for off, k in zip(self.offsets, self.numels):
+            a, b = max(off, p_lo), min(off + k, p_hi)
+            if a < b:
+                piece = self._tag(src[a - p_lo:b - p_lo].double(), "buffers")
+                norm_sq += torch.linalg.vector_norm(piece) ** 2
+                del piece
+        flat = self._tag(src.clone(), "buffers")
+        g32 = self._tag(flat.float(), "buffers") if flat.dtype != torch.float32 else flat
+        del flat, src
+        self.grad_part = None  # free_grad_in_param_list(params_in_partition): the partition's last holder
+        self._norm_sq = norm_sq
+        self._adamw(self.master, self.m, self.v, g32)
+        del g32
+        lp_out.copy_(self.master)
 
     # ---- gradient-ready hooks (stage 2, DeepSpeed flavour)
     def _arrived(self, j: int) -> None:

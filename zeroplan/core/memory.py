@@ -198,13 +198,18 @@ def _reason(phases: dict[str, PhaseMemory], peak_phase: str, live_peak: int, sta
     return reason
 
 
+def _hooked(training: TrainingSetup, zero: ZeroConfig, flavour: str) -> bool:
+    """ZeRO-1 reducing in the gradient hooks, whose gradients live as stage 2's (core/memory_states.py
+    ``stage1_reduces_in_hooks``); the paper's accounting has no hooks."""
+    offload = zero.optimizer_offload_device != "none"
+    return flavour != "paper" and stage1_reduces_in_hooks(int(zero.stage), zero, training, offload=offload)
+
+
 def step_reads_autograd(training: TrainingSetup, zero: ZeroConfig, *, flavour: str = "deepspeed") -> bool:
-    """``grads_from_autograd`` for one configuration, as ``memory_for_stage`` decides it (ZeRO-1 reducing
-    in the hooks keeps stage 2's gradient partition: core/memory_states.py ``stage1_reduces_in_hooks``)."""
-    stage, offload = int(zero.stage), zero.optimizer_offload_device != "none"
-    hooked = flavour != "paper" and stage1_reduces_in_hooks(stage, zero, training, offload=offload)
-    return grads_from_autograd(state_plan(training, stage, offload=offload, flavour=flavour, hooked=hooked).wrapper,
-                               2 if hooked else stage)
+    """``grads_from_autograd`` for one configuration, as ``memory_for_stage`` decides it."""
+    stage, hooked = int(zero.stage), _hooked(training, zero, flavour)
+    sp = state_plan(training, stage, offload=zero.optimizer_offload_device != "none", flavour=flavour, hooked=hooked)
+    return grads_from_autograd(sp.wrapper, 2 if hooked else stage)
 
 
 def grads_from_autograd(wrapper: str, stage: int) -> bool:
@@ -314,13 +319,12 @@ def memory_for_stage(
     stage = int(zero.stage)
     layout, tl = _layouts(spec, n_gpus, zero, layout, finetune, train_layout)
     off_opt, off_par = zero.optimizer_offload_device, zero.param_offload_device
-    # ZeRO-1 with overlap_comm in one micro-step keeps its gradients as stage 2 does (core/memory_states.py);
-    # grad_stage: whose gradient life the buffers and the backward follow
-    hooked = flavour != "paper" and stage1_reduces_in_hooks(stage, zero, training, offload=off_opt != "none")
-    grad_stage, kw = (2 if hooked else stage), {"offload": off_opt != "none", "flavour": flavour, "hooked": hooked}
-    sp = state_plan(training, stage, **kw)
+    hooked = _hooked(training, zero, flavour)
+    grad_stage = 2 if hooked else stage  # whose gradient life the buffers and the backward follow
+    sp = state_plan(training, stage, offload=off_opt != "none", flavour=flavour, hooked=hooked)
     notes: list[str] = [sp.note] if sp.note else []
-    params, grads_end, opt = model_state_bytes(tl, training, stage, **kw)
+    params, grads_end, opt = model_state_bytes(tl, training, stage, offload=off_opt != "none", flavour=flavour,
+                                               hooked=hooked)
     if finetune is not None:
         params = _finetune_param_bytes(finetune, layout, params, training.precision.param_bytes, stage)
         notes.append(_finetune_note(finetune, stage))
@@ -338,7 +342,7 @@ def memory_for_stage(
     host = host_memory(tl, training, zero, stage, off_opt=off_opt, off_par=off_par, gpus_per_node=gpus_per_node,
                        master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes,
                        activation_host_bytes=act.host_checkpoints)
-    step_pinned = step_reads_autograd(training, zero, flavour=flavour)
+    step_pinned = grads_from_autograd(sp.wrapper, grad_stage)
     moments = _moments(pb, layout, tl, zero, training, finetune, flavour, gpu_grads_end, step_pinned, hooked)
     phases = _phases(act, pb, moments, gpu_params, gpu_opt, grads_fwd, step_grads)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)

@@ -427,3 +427,32 @@ def test_storage_tracker_does_not_count_meta_tensors():
         real = torch.empty(1000)
         assert tr.live_bytes == 4000
     assert len(shapes) == 3 and real.numel() == 1000
+
+
+def test_train_step_takes_a_generator_and_counts_its_micro_batches():
+    """A generator makes each micro-batch when the loop reaches it (the previous ids are released then, as in a
+    DeepSpeed training loop); it trains as the list does, and a wrong count is refused before the optimizer
+    steps."""
+    from zeroplan.runtime.comm import LocalComm
+    from zeroplan.runtime.engine import ZeroEngine
+    from zeroplan.runtime.model import build_model
+
+    spec = _spec()
+
+    def batches(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, spec.vocab_size, (1, 16), generator=gen) for _ in range(2)]
+
+    losses = []
+    for make in (list, iter):
+        eng = ZeroEngine(build_model(spec, "fp32", "cpu", seed=0), ZeroConfig(stage=2), comm=LocalComm(1), grad_accum=2)
+        losses.append([eng.train_step(make(batches(s)))["loss"] for s in range(2)])
+        if make is iter:
+            steps = eng.step_count
+            with pytest.raises(ValueError, match="got 1 micro-batches, grad_accum is 2"):
+                eng.train_step(iter(batches(9)[:1]))
+            with pytest.raises(ValueError, match="more than 2 micro-batches"):
+                eng.train_step(iter(batches(9) * 2))
+            assert eng.step_count == steps
+        eng.close()
+    assert losses[0] == losses[1]

@@ -130,8 +130,8 @@ MORE = {"peak-live-stage2-overlap-b1-s512.json": (0.0, 0.02), "peak-live-stage2-
 def test_overlap_comm_and_accumulation_against_deepspeed(name):
     """Two buckets with ``overlap_comm`` (the flushes as without it: +1.7%, the activations beside a mid-layer
     flush, as above), and two micro-steps (the partition accumulates from the first; the plan is 0.14% and
-    0.12% below). The bundled engine, simulated as the same rank, peaks at DeepSpeed's bytes within 4 KiB:
-    it frees each flush's flatten copy within the flush (it held them until the bucket's slot came round)."""
+    0.12% below). The bundled engine, simulated as the same rank, peaks at DeepSpeed's bytes within 16: it
+    frees each flush's flatten copy within the flush (it held them until the bucket's slot came round)."""
     from zeroplan.runtime.simulate import simulate_rank
 
     rep, plan, _ = _run(name)
@@ -141,4 +141,4 @@ def test_overlap_comm_and_accumulation_against_deepspeed(name):
     spec, zero = _inputs(rep)
     got = simulate_rank(spec, zero, n=inp["world"], precision="bf16", micro_batch=inp["micro_batch"],
                         seq_len=inp["seq_len"], rank=inp["rank"], grad_accum=inp["grad_accum"])
-    assert abs(got["phase_peaks"]["backward"]["peak"] - rep["peak_bytes"]) <= 4096
+    assert abs(got["phase_peaks"]["backward"]["peak"] - rep["peak_bytes"]) <= 16

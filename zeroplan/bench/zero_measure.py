@@ -55,8 +55,8 @@ def measure_rank(rank: int, world: int, spec: Any, runs: list[dict[str, Any]], d
                     if s == run["warmup"]:
                         comm.reset()
                         meter.reset_peaks()
-                    batches = [torch.randint(0, spec.vocab_size, (run["micro_batch"], run["seq_len"]),
-                                             generator=gen).to(dev) for _ in range(run["grad_accum"])]
+                    batches = (torch.randint(0, spec.vocab_size, (run["micro_batch"], run["seq_len"]),
+                                             generator=gen).to(dev) for _ in range(run["grad_accum"]))
                     n0 = len(comm.records)
                     t0 = time.perf_counter()
                     r = engine.train_step(batches)

@@ -94,6 +94,7 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sized
 from typing import Any
 
 from zeroplan.runtime.engine_flat import Stage0Strategy
@@ -189,13 +190,22 @@ class ZeroEngine:
         self._hooks: list[Any] = []
         self.strategy: StageStrategy = STRATEGIES[self.stage](self)
 
-    def train_step(self, batches: list[Any]) -> StepResult:
-        """One optimizer step over ``len(batches)`` (= grad_accum) micro-batches of input ids."""
-        if len(batches) != self.grad_accum:
+    def train_step(self, batches: Iterable[Any]) -> StepResult:
+        """One optimizer step over grad_accum micro-batches of input ids.
+
+        ``batches`` may be a list or a generator. A generator makes each micro-batch when it is
+        needed, as a training loop does (DeepSpeed's ``for micro: engine(ids)``): the previous
+        micro-batch's ids are then released when the next are made, not held for the whole step.
+        """
+        if isinstance(batches, Sized) and len(batches) != self.grad_accum:
             raise ValueError(f"train_step: got {len(batches)} micro-batches, grad_accum is {self.grad_accum}")
         strategy = self.strategy
         total_loss = 0.0
+        count = 0
         for mb in batches:
+            count += 1
+            if count > self.grad_accum:
+                raise ValueError(f"train_step: got more than {self.grad_accum} micro-batches (grad_accum)")
             self._phase("forward")
             strategy.before_forward()
             loss = self.model(mb)
@@ -206,6 +216,8 @@ class ZeroEngine:
             del loss
             strategy.after_backward()
             self.micro_step += 1
+        if count != self.grad_accum:
+            raise ValueError(f"train_step: got {count} micro-batches, grad_accum is {self.grad_accum}")
         strategy.boundary()
         self._phase("step")
         states = self._model_state_snapshot()
@@ -213,7 +225,7 @@ class ZeroEngine:
             strategy.step()
         self.step_count += 1
         self._phase("forward")
-        return StepResult(loss=total_loss / len(batches), model_states=states)
+        return StepResult(loss=total_loss / count, model_states=states)
 
     def _phase(self, name: str) -> None:
         """The phase the meter's peaks and the comm's records are attributed to."""

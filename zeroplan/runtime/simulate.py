@@ -95,7 +95,8 @@ def simulate_rank(spec: Any, zero: Any, *, n: int, precision: str, micro_batch: 
                 if s == steps - 1:
                     comm.reset()
                     tracker.reset_peaks()
-                batches = [torch.zeros(micro_batch, seq_len, dtype=torch.long) for _ in range(grad_accum)]
+                # made one micro-step at a time, as a training loop makes them (see train_step)
+                batches = (torch.zeros(micro_batch, seq_len, dtype=torch.long) for _ in range(grad_accum))
                 n0 = len(comm.records)
                 r = engine.train_step(batches)
                 states = r["model_states"]

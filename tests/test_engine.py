@@ -58,6 +58,17 @@ def _buckets(sizes, cap):
     return count + (1 if cur else 0)
 
 
+def _bucket_lists(sizes, cap):
+    """Greedy, flush BEFORE adding an overflowing size: each bucket's sizes."""
+    out, cur = [], []
+    for s in sizes:
+        if cur and sum(cur) + s > cap:
+            out.append(cur)
+            cur = []
+        cur.append(s)
+    return out + ([cur] if cur else [])
+
+
 def _pack_after(sizes, cap):
     """Greedy, add then flush once the running size exceeds ``cap``: the number of calls."""
     count, cur = 0, 0
@@ -95,7 +106,7 @@ def _owner_slices(lo, hi, part):
 
 
 def expected_schedule(spec, n, stage, b, g, *, flavour="deepspeed", rbs=RBS, thr=THR, reuse=10**9,
-                      multi_rank=True, overlap=False, bound=50_000_000, offload=False):
+                      multi_rank=True, overlap=False, bound=50_000_000, offload=False, reduce_scatter=True):
     """(op/phase) -> (calls, bytes) per optimizer step, from the ledger document (revision 2)."""
     numels = _tensors(spec)
     psi = sum(numels)
@@ -152,7 +163,13 @@ def expected_schedule(spec, n, stage, b, g, *, flavour="deepspeed", rbs=RBS, thr
                 add("all_gather/backward", g, g * gathered * b)
     else:  # a partial prefetch or a reuse window: no closed form here (tests/test_deepspeed_tied.py)
         e["gathers_open"] = [0, 0]
-    add("reduce_scatter/backward", g * _buckets([pad(k) for k in numels[::-1]], rbs), g * sum(pad(k) for k in numels) * b)
+    # stage3.py: a bucket is flushed before the gradient that would overflow it (unpadded sizes); with
+    # reduce_scatter off, one that fits is all-reduced in place (unpadded), else reduce-scattered padded
+    for bucket in _bucket_lists(numels[::-1], rbs):
+        if ds and not reduce_scatter and sum(bucket) <= rbs:
+            add("all_reduce/backward", g, g * sum(bucket) * b)
+        else:
+            add("reduce_scatter/backward", g, g * sum(pad(k) for k in bucket) * b)
     pers = [k for k in numels if k <= thr]
     if pers:
         add("all_gather/step", len(pers), sum(pad(k) for k in pers) * b)
@@ -242,7 +259,8 @@ def _check(spec, n, run, per_rank, k, *, against_plan=True, **sched_kw):
     exp = expected_schedule(spec, n, stage, b, run["grad_accum"], flavour=run["comm_model"],
                             reuse=z.max_reuse_distance, multi_rank=z.use_multi_rank_bucket_allreduce,
                             overlap=z.overlap_comm, bound=min(z.max_live_parameters, z.prefetch_bucket_size),
-                            offload=z.offload_optimizer.device != "none", **sched_kw)
+                            offload=z.offload_optimizer.device != "none", reduce_scatter=z.reduce_scatter,
+                            **sched_kw)
     if exp.pop("gathers_open", None):
         got_closed = {k: v for k, v in got.items() if k not in ("all_gather/forward", "all_gather/backward")}
         assert got_closed == exp, (stage, run["comm_model"])
@@ -321,12 +339,16 @@ def test_world4_bf16_all_stages():
         _cfg(3, "bf16", comm_model="paper"), _cfg(0, "bf16", g=1, comm_model="paper"),
         _cfg(2, "bf16", use_multi_rank_bucket_allreduce=False), _cfg(1, "bf16", overlap_comm=True),
         _cfg(1, "bf16", g=1, overlap_comm=True),
-        _cfg(3, "bf16", max_live_parameters=0, max_reuse_distance=0)]
+        _cfg(3, "bf16", max_live_parameters=0, max_reuse_distance=0),
+        _cfg(3, "bf16", reduce_scatter=False)]  # the norms' buckets all-reduced, the matrices reduce-scattered
     per_rank = _launch(spec, 4, runs)
     for k, run in enumerate(runs):
         res = _check(spec, 4, run, per_rank, k)
         assert all(r["collectives"][key]["dtypes"] in (["bfloat16"], ["uint8", "float32"], ["float64"])
                    for r in res for key in r["collectives"])
+    off = per_rank[0][-1]["collectives"]  # both reductions ran, and it trains as stage 3 with reduce-scatter
+    assert off["all_reduce/backward"]["count"] > 0 and off["reduce_scatter/backward"]["count"] > 0
+    assert per_rank[0][-1]["losses"] == pytest.approx(per_rank[0][3]["losses"], rel=1e-3)
 
 
 def test_gpt2_tied_conv1d_and_moe_world2():

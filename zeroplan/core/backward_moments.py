@@ -41,10 +41,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from zeroplan.core.grad_buckets import lone_oversized, ready_buckets, stage3_flush_temp_elements
 from zeroplan.core.layout import Layout
 from zeroplan.core.stage3_live import BackwardGathered
 
-__all__ = ["BackwardMoment", "HeadGradients", "activation_at", "head_gradients", "backward_moments", "scatter_temp_elements", "set_backward_side", "stage2_flushes"]
+__all__ = ["BackwardMoment", "HeadGradients", "activation_at", "head_gradients", "backward_moments", "set_backward_side",
+           "stage2_flushes"]
 
 
 class BackwardMoment(BaseModel):
@@ -80,40 +82,8 @@ def stage2_flushes(layout: Layout, bucket_elems: int) -> tuple[list[tuple[int, i
     order, and the elements of the last bucket (flushed by the epilogue). A hook of a gradient outside
     the decoder layers counts as the top layer's (final norm, lm_head: their gradients come first) or,
     once the layers' gradients have begun, as the bottom one's (the embeddings)."""
-    flushes, last = _flushes(layout, bucket_elems)
+    flushes, last = ready_buckets(layout, bucket_elems)
     return [(sum(b), done) for b, done in flushes], sum(last)
-
-
-def _flushes(layout: Layout, bucket_elems: int) -> tuple[list[tuple[list[int], int]], list[int]]:
-    """``stage2_flushes`` with each bucket's tensor sizes (stage 3's reduce-scatter pads each one).
-    Kept on the layout (never mutated) per bucket size."""
-    key = ("bucket_flushes", bucket_elems)
-    if key in layout._memo:
-        return layout._memo[key]
-    n_layers = 1 + max((t.layer for t in layout.tensors if t.layer is not None), default=0)
-    cur: list[int] = []
-    total, seen_layer = 0, False
-    flushes: list[tuple[list[int], int]] = []
-    for t in reversed(layout.tensors):
-        seen_layer = seen_layer or t.layer is not None
-        done = n_layers - 1 - t.layer if t.layer is not None else (n_layers - 1 if seen_layer else 0)
-        # stage_1_and_2.py and stage3.py: bucket.elements + numel > reduce_bucket_size, bucket not empty
-        if cur and total + t.numel > bucket_elems:
-            flushes.append((cur, done))
-            cur, total = [], 0
-        cur.append(t.numel)
-        total += t.numel
-    layout._memo[key] = (flushes, cur)
-    return flushes, cur
-
-
-def scatter_temp_elements(sizes: list[int], n: int) -> int:
-    """Elements of the interleaved copy stage 3's reduce-scatter makes of a bucket (DeepSpeed 0.19.8
-    ``comm/coalesced_collectives.py`` ``reduce_scatter_coalesced``: each gradient padded to a multiple
-    of the world size, none for a lone gradient that divides evenly)."""
-    if len(sizes) == 1 and sizes[0] % n == 0:
-        return 0
-    return sum(-(-s // n) * n for s in sizes)
 
 
 class HeadGradients(BaseModel):
@@ -151,7 +121,7 @@ def head_gradients(layout: Layout) -> HeadGradients:
 def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: int, bucket_elems: int,
                      grads_end: int, b_p: int = 2, gathered: BackwardGathered | None = None, overlap: bool = False,
                      grads_in_p_grad: bool = False, multi_rank_flatten: bool = True,
-                     keep_oversized: bool = False) -> list[BackwardMoment]:
+                     keep_oversized: bool = False, reduce_scatter: bool = True) -> list[BackwardMoment]:
     """The moments of one backward (``pb``: core.memory_buffers.PhaseBuffers; ``gathered``: stage 3's
     gathered parameters through the backward, core/stage3_live.py; ``overlap``: ``overlap_comm``;
     ``grads_in_p_grad``: the gradients kept to the step are autograd's ``p.grad``, core/memory.py
@@ -159,13 +129,14 @@ def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: 
     flattened (``reduce_scatter`` and ``use_multi_rank_bucket_allreduce``, Layout.flatten_copy_12);
     ``keep_oversized``: stage 1 reducing in the hooks as stage 2 (core/memory_states.py
     ``stage1_reduces_in_hooks``), which never clears a reduced gradient, so a lone gradient larger than the
-    bucket stays autograd's to the epilogue's ``_clear_param_grad_only``)."""
+    bucket stays autograd's to the epilogue's ``_clear_param_grad_only``); ``reduce_scatter``: DeepSpeed's
+    switch (off, stage 3 all-reduces a bucket that fits in place: core/grad_buckets.py)."""
     held = pb.held.get("backward", 0)
     ipg = pb.detail.get("ipg_bucket", 0)
     hg = head_gradients(layout)
     if stage == 3 and gathered is not None and ipg:
         return _stage3(pb, layout, hg, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, grads_end=grads_end,
-                       gathered=gathered)
+                       gathered=gathered, reduce_scatter=reduce_scatter)
     if stage != 2 or off_opt != "none" or not ipg:  # ipg_bucket: contiguous gradients
         return _two_ends(pb, hg, stage=stage, grads_end=grads_end, b_p=b_p, overlap=overlap, kept=grads_in_p_grad,
                          offload=off_opt != "none", ipg_kept=pb.ipg_through_forward)
@@ -181,7 +152,7 @@ def _stage2(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
     ``keep_oversized`` (stage 1 in the hooks): a lone oversized gradient, once flushed, stays to the end."""
     held = pb.held.get("backward", 0)
     ipg = pb.detail.get("ipg_bucket", 0)
-    flushes, last = _flushes(layout, bucket_elems)
+    flushes, last = ready_buckets(layout, bucket_elems)
     buckets = [sizes for sizes, _ in flushes] + [last]
     extra = [_flush_extra(sizes, span, layout, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, copies=copies)
              for sizes, span in zip(buckets, layout.bucket_ranges_12(bucket_elems, "reverse"))]
@@ -235,13 +206,7 @@ def _flush_extra(sizes: list[int], span: tuple[int, int], layout: Layout, *, b_c
     lone gradient larger than the bucket is never copied into it (``extra_large_param_to_reduce``): it is
     reduced from autograd's own gradient, which lives until then."""
     copy = b_c * layout.flatten_copy_12(*span, bucket_elems) if copies else 0
-    return copy, b_p * _lone_oversized(sizes, bucket_elems)
-
-
-def _lone_oversized(sizes: list[int], bucket_elems: int) -> int:
-    """Elements of a bucket's lone gradient larger than the bucket (DeepSpeed keeps it as autograd's
-    until the flush that reduces it), else 0."""
-    return sizes[0] if len(sizes) == 1 and sizes[0] > bucket_elems else 0
+    return copy, b_p * lone_oversized(sizes, bucket_elems)
 
 
 def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: int, overlap: bool, kept: bool,
@@ -289,7 +254,7 @@ def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: in
 def _embedding_flush(hg: HeadGradients, layout: Layout, bucket_elems: int) -> list[int] | None:
     """The tensor sizes of the bucket flushed by the embedding's gradient hook (its gradient overflows
     the bucket, so it is the epilogue's alone), or None."""
-    flushes, last = _flushes(layout, bucket_elems)
+    flushes, last = ready_buckets(layout, bucket_elems)
     return flushes[-1][0] if flushes and hg.embed and last == [hg.embed] else None
 
 
@@ -309,25 +274,30 @@ def _embedding_moments(hg: HeadGradients, b_p: int, flush: tuple[int, int] | Non
 
 
 def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, bucket_elems: int, grads_end: int,
-            gathered: BackwardGathered) -> list[BackwardMoment]:
+            gathered: BackwardGathered, reduce_scatter: bool = True) -> list[BackwardMoment]:
     """Stage 3 (DeepSpeed 0.19.8 ``stage3.py``): the ipg bucket lives from ``__init__``; each flush
-    (``__reduce_and_partition_ipg_grads``) makes the reduce-scatter's interleaved copy of the bucket
+    (``__reduce_and_partition_ipg_grads``) makes the reduce-scatter's interleaved copy of the bucket (none
+    where ``reduce_scatter`` is off and the bucket fits: all-reduced in place, core/grad_buckets.py)
     inside the backward of the layer whose gradient would overflow it; the gathered parameters are
     what the coordinator holds then (core/stage3_live.py). A layer's moment is kept only where its
     buffers exceed every layer's above it (those stack on more activations)."""
     held = pb.held.get("backward", 0)
     other = pb.backward - pb.detail.get("gathered_params_backward", 0) - pb.detail.get("reduce_scatter_temp", 0)
-    flushes, last = _flushes(layout, bucket_elems)
+    flushes, last = ready_buckets(layout, bucket_elems)
     by_embed = _embedding_flush(hg, layout, bucket_elems)
     buckets = [sizes for sizes, _ in flushes] + [last]
     # per layer, the most its flushes hold: the reduce-scatter copy (the largest: it sizes the side stream's
     # pool), and the gradients outside the bucket (the one whose hook runs the flush, as in stage 2, and a
     # lone gradient larger than the bucket, kept as autograd's)
+    def copy_bytes(sizes: list[int]) -> int:
+        return b_c * stage3_flush_temp_elements(sizes, layout.n, bucket_elems, reduce_scatter=reduce_scatter,
+                                                contiguous=True)
+
     temp_at: dict[int, tuple[int, int]] = {}
     for k, (sizes, done) in enumerate(flushes[:-1] if by_embed else flushes):
-        lone = b_p * _lone_oversized(sizes, bucket_elems)
+        lone = b_p * lone_oversized(sizes, bucket_elems)
         temp, grads_out = temp_at.get(done, (0, 0))
-        temp_at[done] = (max(temp, b_c * scatter_temp_elements(sizes, layout.n)),
+        temp_at[done] = (max(temp, copy_bytes(sizes)),
                          max(grads_out, lone + b_p * buckets[k + 1][0]))
     held_tied = b_p * hg.tied
 
@@ -350,12 +320,12 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
             out.append(moment(f"backward of layer {len(gathered.layers) - 1 - done}{flushed}", g, temp, "layer", done,
                               autograd=held_tied + grads_out))
             top = b_p * g + temp + grads_out
-    flush = (b_c * scatter_temp_elements(by_embed, layout.n), 0) if by_embed else None
+    flush = (copy_bytes(by_embed), 0) if by_embed else None
     for what, (temp, _), autograd in _embedding_moments(hg, b_p, flush):
         out.append(moment(what, gathered.bottom, temp, "none", autograd=autograd))
-    last_temp = b_c * scatter_temp_elements(last, layout.n)
+    last_temp = copy_bytes(last)
     out.append(moment("backward end (epilogue flush)", gathered.bottom, last_temp, "none", grads=grads_end,
-                      autograd=b_p * _lone_oversized(last, bucket_elems)))
+                      autograd=b_p * lone_oversized(last, bucket_elems)))
     return out
 
 

@@ -15,7 +15,8 @@ Two flavours (``comm_model``):
   ``stage3_prefetch_bucket_size`` / ``stage3_max_live_parameters``, release unless reused within
   ``stage3_max_reuse_distance``; a tied head gathers the embedding's weight; under full
   checkpointing the recomputed layers fetch again inside backward), reduce-scatters
-  gradient buckets every micro-step, and after the step gathers each persistent parameter and
+  gradient buckets every micro-step (with ``reduce_scatter: false``, all-reduces each bucket that
+  fits: core/grad_buckets.py), and after the step gathers each persistent parameter and
   all-reduces an 8-byte norm.
 - ``paper`` — the ZeRO paper: stages 1–2 reduce-scatter (in partition-aligned buckets of
   ``reduce_bucket_size // N`` elements per rank) + all-gather (2Ψ), stage 3
@@ -33,6 +34,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from zeroplan.core.grad_buckets import ready_buckets, stage3_all_reduced
 from zeroplan.core.layout import Layout, ceil_div, greedy_buckets_after
 from zeroplan.core.stage3_fetch import stage3_gathers
 from zeroplan.core.stage3_live import replay_inputs
@@ -169,7 +171,7 @@ def build_ledger(
         _stages12(B, layout, training, zero, ds)
     else:
         _stage3_gathers(B, layout, tl, training, zero, ds, no_backward, notes)
-        _stage3_reduce_and_step(B, layout, tl, training, zero, ds)
+        _stage3_reduce_and_step(B, layout, tl, training, zero, ds, notes)
     cpu_params, nvme_bytes = offload_costs(tl, training, zero)
     by_op, total, inter = _totals(B)
     return CommLedger(
@@ -189,8 +191,8 @@ def _stage0(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroConf
     """Stage 0: gradient all-reduce buckets once per step (+ DeepSpeed's fp32 norm all-reduce)."""
     prec = training.precision
     B.buckets("all_reduce", "backward", "gradient bucket",
-              layout.grad_buckets(STAGE0_BUCKET, 0, order="forward", flush="after") if ds
-              else layout.grad_buckets(zero.reduce_bucket_size, 0), prec.comm_bytes, 1, prec.dtype, False)
+              layout.grad_buckets(STAGE0_BUCKET, order="forward", flush="after") if ds
+              else layout.grad_buckets(zero.reduce_bucket_size), prec.comm_bytes, 1, prec.dtype, False)
     if ds and not prec.mixed:
         B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
 
@@ -274,21 +276,32 @@ def _stage3_gathers(B: _Builder, layout: Layout, tl: Layout, training: TrainingS
 
 
 def _stage3_reduce_and_step(B: _Builder, layout: Layout, tl: Layout, training: TrainingSetup, zero: ZeroConfig,
-                            ds: bool) -> None:
-    """Stage 3's gradient reduce-scatter (or qgZ all-to-all), the persistent gathers and the norm."""
+                            ds: bool, notes: list[str]) -> None:
+    """Stage 3's gradient buckets (core/grad_buckets.py: reduce-scatter, qgZ all-to-all, or with
+    ``reduce_scatter`` off an all-reduce of a bucket that fits), the persistent gathers and the norm."""
     prec = training.precision
-    gas, overlap = training.grad_accum, zero.overlap_comm
-    buckets = tl.grad_buckets(zero.reduce_bucket_size, 3)
-    if zero.zero_quantized_gradients and B.nodes > 1:
-        gpn = B.gpn
-        for s_ in buckets:
-            int4 = ceil_div(s_, 2)
+    gas, overlap, rbs, n = training.grad_accum, zero.overlap_comm, int(zero.reduce_bucket_size), tl.n
+    flushes, last = ready_buckets(tl, rbs)
+    all_reduced = 0
+    for sizes in [f for f, _ in flushes] + ([last] if last else []):
+        padded = sum(ceil_div(s_, n) * n for s_ in sizes)  # reduce_scatter_coalesced pads each gradient
+        if ds and stage3_all_reduced(sizes, rbs, reduce_scatter=zero.reduce_scatter,
+                                     contiguous=zero.contiguous_gradients):
+            all_reduced += 1
+            B.add("all_reduce", "backward", "gradient bucket (reduce_scatter off: all-reduced in place)",
+                  sum(sizes) * prec.comm_bytes, gas, prec.dtype, overlap)
+        elif zero.zero_quantized_gradients and B.nodes > 1:
+            int4 = ceil_div(padded, 2)
             B.add("all_to_all", "backward", "gradient bucket (qgZ int4, intra-node hop)", int4, gas, "int4",
-                  overlap, group="intra-node", group_size=gpn)
-            B.add("all_to_all", "backward", "gradient bucket (qgZ int4, inter-node hop)", ceil_div(int4, gpn),
+                  overlap, group="intra-node", group_size=B.gpn)
+            B.add("all_to_all", "backward", "gradient bucket (qgZ int4, inter-node hop)", ceil_div(int4, B.gpn),
                   gas, "int4", overlap, group="inter-node", group_size=B.nodes)
-    else:
-        B.buckets("reduce_scatter", "backward", "gradient bucket", buckets, prec.comm_bytes, gas, prec.dtype, overlap)
+        else:
+            B.add("reduce_scatter", "backward", "gradient bucket", padded * prec.comm_bytes, gas, prec.dtype, overlap)
+    if all_reduced:
+        notes.append(f"reduce_scatter is off: {all_reduced} of {len(flushes) + 1} gradient buckets per micro-step "
+                     "are all-reduced (twice a reduce-scatter's traffic)"
+                     + (", which qgZ does not quantise" if zero.zero_quantized_gradients else ""))
     # stage3.py _post_step: `self.persistent_parameters[0].all_gather(self.persistent_parameters)`;
     # persistent_parameters is parameter_offload.py mark_persistent_parameters over EVERY named
     # parameter (frozen ones too: step() released them all, release_and_reset_all), so with

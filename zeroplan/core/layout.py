@@ -180,14 +180,14 @@ class Layout:
             groups.append(cur)
         return groups or [0]
 
-    def grad_buckets(self, bucket_elems: int, stage: int, *, order: str = "reverse", flush: str = "before") -> list[int]:
-        """Gradient buckets. ``order``: "reverse" = gradient-ready order (hooks), "forward" =
-        parameter order (stage 0, stage 1 without overlap_comm). ``flush``: "before" adding
-        (stages 1–3) or "after" adding once over the size (stage 0's allreduce_no_retain)."""
-        key = ("gb", bucket_elems, stage, order, flush)
+    def grad_buckets(self, bucket_elems: int, *, order: str = "reverse", flush: str = "before") -> list[int]:
+        """Elements of each gradient bucket (unpadded). ``order``: "reverse" = gradient-ready order
+        (hooks), "forward" = parameter order (stage 0). ``flush``: "before" adding or "after" adding
+        once over the size (stage 0's allreduce_no_retain). Stages 1–3's hooks: core/grad_buckets.py."""
+        key = ("gb", bucket_elems, order, flush)
         if key not in self._memo:
             seq = self.tensors if order == "forward" else list(reversed(self.tensors))
-            sizes = [t.numel if stage < 3 else self.padded(t.numel) for t in seq]
+            sizes = [t.numel for t in seq]
             self._memo[key] = (greedy_buckets_after if flush == "after" else greedy_buckets)(sizes, bucket_elems)
         return list(self._memo[key])
 

@@ -158,7 +158,7 @@ def _moments(pb: Any, layout: Layout, tl: Layout, zero: ZeroConfig, training: Tr
                             gathered=_gathered(layout, tl, zero, training, finetune, flavour),
                             overlap=bool(zero.overlap_comm), grads_in_p_grad=step_pinned,
                             multi_rank_flatten=bool(zero.reduce_scatter and zero.use_multi_rank_bucket_allreduce),
-                            keep_oversized=hooked)
+                            keep_oversized=hooked, reduce_scatter=bool(zero.reduce_scatter))
 
 
 def _layouts(spec: ModelSpec, n_gpus: int, zero: ZeroConfig, layout: Layout | None, finetune: FineTuneViews | None,

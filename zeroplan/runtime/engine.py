@@ -46,9 +46,12 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
   module, one gather per module). A custom autograd node on the module's output re-gathers a
   released module (one call, Σp̂) before its backward; the module is released again once all
   its gradients are reduced. A coalesced gather makes one flat buffer then one copy per
-  param (the ~2x transient); a single param is a view into its padded buffer. Gradients are
-  copied into the persistent ``ipg`` bucket (p̂ per param) as they arrive, interleaved per rank
-  into a bucket-sized copy and reduce-scattered. After the step: one all-gather per
+  param (the ~2x transient); a single param is a view into its padded buffer. Gradient buckets
+  are cut on the unpadded sizes; each gradient is copied, unpadded, into the persistent ``ipg``
+  bucket as it arrives (a lone gradient larger than the bucket stays autograd's), then the bucket
+  is reduce-scattered as ``reduce_scatter_coalesced`` does it (padded, interleaved per rank in one
+  copy, none for a lone gradient that divides evenly; in place) or, with ``reduce_scatter`` off, a
+  bucket in the ipg buffer is all-reduced there in place. After the step: one all-gather per
   persistent param, in place, and the norm all-reduce (8-byte fp64; 4-byte fp32 with offload).
 - Frozen parameters (``requires_grad`` False; runtime/lora.py): stages 0-2 leave them whole on
   every rank, outside the flat buffers, buckets and optimizer; stage 3 partitions and gathers

@@ -228,54 +228,74 @@ class Stage3Gather:
                 self.live[i] = False
 
     def _arrived(self, j: int) -> None:
-        """Gradient j is next in bucket order: copied into its padded slot of the ipg bucket and freed."""
+        """Gradient j is next in bucket order: copied into the ipg bucket at its offset and freed, where its
+        bucket fits (``__add_grad_to_ipg_bucket``); a lone gradient larger than the bucket stays autograd's."""
         k = self._bucket_of[j]
         p = self.params[j]
         with self.torch.no_grad():
             if self.contiguous and self._bucket_total[k] <= self.rbs:
-                pos, pad = self._pos3[j], self.chunk[j] * self.n
-                seg = self.ipg[0][pos:pos + pad]
-                seg[:self.numels[j]].copy_(p.grad.reshape(-1))
-                seg[self.numels[j]:].zero_()
+                pos = self._pos3[j]
+                self.ipg[0][pos:pos + self.numels[j]].copy_(p.grad.reshape(-1))
                 p.grad = None
 
     def _flush_bucket(self, k: int) -> None:
-        """Bucket k reduce-scattered into the gradient partition; modules whose gradients are all in released."""
-        torch = self.torch
-        n = self.n
+        """Bucket k reduced into the gradient partition (``__reduce_and_partition_ipg_grads``): with
+        ``reduce_scatter`` off, a bucket in the ipg buffer is all-reduced there in place and each rank takes
+        its slices (``__avg_scatter_contiguous_grads``); otherwise reduce-scattered as
+        ``reduce_scatter_coalesced`` does it."""
         _, _, ps = self.buckets[k]
-        total = sum(self.chunk[i] for i in ps) * n
-        with torch.no_grad():
-            if self.contiguous and total <= self.rbs:  # gradients were copied in as they arrived
-                buf = self.ipg[0][:total]
-                pieces = []
-                pos = 0
-                for i in ps:
-                    pieces.append(buf[pos:pos + self.chunk[i] * n].view(n, self.chunk[i]))
-                    pos += self.chunk[i] * n
+        in_ipg = self.contiguous and self._bucket_total[k] <= self.rbs
+        with self.torch.no_grad():
+            grads = []
+            pos = 0
+            for i in ps:
+                grads.append(self.ipg[0][pos:pos + self.numels[i]] if in_ipg else self.params[i].grad.reshape(-1))
+                pos += self.numels[i]
+            if in_ipg and not self.reduce_scatter_cfg:
+                buf = self.ipg[0][:pos]
+                buf.div_(self.n)
+                self.comm.all_reduce(buf)
+                mine = [g[self.rank * self.chunk[i]:(self.rank + 1) * self.chunk[i]] for g, i in zip(grads, ps)]
             else:
-                pieces = []
-                for i in ps:
-                    g = self.params[i].grad.reshape(-1)
-                    pad = self.chunk[i] * n - self.numels[i]
-                    pieces.append((torch.nn.functional.pad(g, (0, pad)) if pad else g).view(n, self.chunk[i]))
-            inter = self._tag(torch.cat(pieces, dim=1).reshape(-1), "buffers")  # rank-major interleaved copy
-            del pieces
+                mine = self._reduce_scatter_coalesced(grads, ps)
+            del grads
             for i in ps:
                 self.params[i].grad = None
-            out = self._empty(total // n, "buffers")
-            self.comm.reduce_scatter(out, inter)
-            del inter
-            out.div_(n)
-            col = 0
-            for i in ps:
-                c = self.chunk[i]
-                self.grad_part[self.part_offsets[i]:self.part_offsets[i] + c].add_(
-                    out[col:col + c].to(self.grad_part.device))
-                col += c
+            for piece, i in zip(mine, ps):
+                off = self.part_offsets[i]
+                self.grad_part[off:off + piece.numel()].add_(piece.to(self.grad_part.device))
         # no release here: DeepSpeed releases a module's parameters after its backward
         # (release_sub_module from the post-backward node on its inputs), not when its gradients
         # are reduced
+
+    def _reduce_scatter_coalesced(self, grads: list[Any], ps: list[int]) -> list[Any]:
+        """DeepSpeed 0.19.8 ``comm/coalesced_collectives.py`` ``reduce_scatter_coalesced``: each gradient cut
+        into N chunks of ceil(numel/N), interleaved rank by rank with padding in one copy (none for a lone
+        gradient that divides evenly), divided by N and reduce-scattered in place (the output is this rank's
+        chunk of that buffer); this rank's pieces are views of it."""
+        torch, n = self.torch, self.n
+        if len(grads) == 1 and self.numels[ps[0]] % n == 0:
+            flat = grads[0]
+        else:
+            parts = []
+            for r in range(n):
+                for g, i in zip(grads, ps):
+                    c = self.chunk[i]
+                    piece = g[r * c:(r + 1) * c]
+                    parts.append(piece)
+                    if piece.numel() < c:  # zeros where DeepSpeed pads with torch.empty: the same bytes
+                        parts.append(torch.zeros(c - piece.numel(), dtype=g.dtype, device=g.device))
+            flat = self._tag(torch.cat(parts), "buffers")
+            del parts
+        flat.div_(n)
+        width = flat.numel() // n
+        out = flat[self.rank * width:(self.rank + 1) * width]  # in place: this rank's chunk of the input
+        self.comm.reduce_scatter(out, flat)
+        mine, col = [], 0
+        for i in ps:
+            mine.append(out[col:col + self.chunk[i]])
+            col += self.chunk[i]
+        return mine
 
 
 def _make_post_backward():

@@ -142,20 +142,20 @@ class Stage3Strategy(Stage3Gather, GradHooks, StageStrategy):
         self.unit_pending = [0] * nu
 
     def _setup3_buckets(self) -> None:
-        """Reduce-scatter buckets over padded sizes, gradient-ready order; the ipg bucket."""
-        n = self.n
-        # reduce-scatter buckets over padded sizes, gradient-ready order
+        """Gradient buckets in gradient-ready order, flushed before a gradient that would overflow them
+        (stage3.py ``reduce_independent_p_g_buckets_and_remove_grads``: unpadded sizes); the ipg bucket,
+        into which each gradient of a bucket that fits is copied, unpadded, at its offset."""
         order = self._ready_order()  # trainable only: frozen parameters get no gradient
         self.buckets = [(0, 0, [order[k] for k in idx])
-                        for idx in greedy_buckets([self.chunk[i] * n for i in order], self.rbs)]
+                        for idx in greedy_buckets([self.numels[i] for i in order], self.rbs)]
         self.ipg = [self._empty(self.rbs, "buffers")] if self.contiguous else []
-        self._bucket_total = [sum(self.chunk[i] for i in ps) * n for _, _, ps in self.buckets]
+        self._bucket_total = [sum(self.numels[i] for i in ps) for _, _, ps in self.buckets]
         self._pos3 = {}
         for _, _, ps in self.buckets:
             pos = 0
             for i in ps:
                 self._pos3[i] = pos
-                pos += self.chunk[i] * n
+                pos += self.numels[i]
 
     def _part(self, i: int) -> Any:
         """Param i's stage-3 partition (p̂/N elements): in the trainable flat buffer or the frozen one."""

@@ -1,0 +1,83 @@
+"""Gradient buckets as DeepSpeed 0.19.8's hooks fill them, and how stage 3 reduces each one.
+
+Filling (stages 1-3, ``stage_1_and_2.py`` and ``stage3.py``
+``reduce_independent_p_g_buckets_and_remove_grads``): gradients arrive in gradient-ready order (the
+layout's tensors reversed); the bucket is flushed before a gradient that would overflow it, when it
+holds any (``bucket.elements + param.ds_numel > reduce_bucket_size and bucket.elements > 0``, on the
+unpadded sizes), and the epilogue flushes the last one. A gradient larger than the bucket is thus a
+bucket of its own, and is never copied into the contiguous buffer (``__add_grad_to_ipg_bucket`` copies
+only while ``bucket.elements + numel <= reduce_bucket_size``).
+
+Reducing a stage-3 bucket (``__reduce_and_partition_ipg_grads``), two ways:
+- with ``contiguous_gradients`` and ``reduce_scatter: false`` (the ZeRO++ tutorial's config), a bucket
+  that fits the buffer is all-reduced in place (``__avg_scatter_contiguous_grads``): its unpadded
+  elements, no copy, and each rank then takes its slice. An all-reduce moves twice a reduce-scatter's
+  bytes, and qgZ (which replaces only the reduce-scatter) does not apply to it;
+- otherwise ``__avg_scatter_grads``: ``reduce_scatter_coalesced`` pads each gradient to a multiple of
+  the world size and interleaves them in one copy (none for a lone gradient that divides evenly), or
+  qgZ's ``all_to_all_quant_reduce`` across nodes.
+"""
+
+from __future__ import annotations
+
+from zeroplan.core.layout import Layout
+
+__all__ = ["ready_buckets", "lone_oversized", "scatter_temp_elements", "stage3_all_reduced",
+           "stage3_flush_temp_elements"]
+
+
+def ready_buckets(layout: Layout, bucket_elems: int) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """(every flush inside the backward as (its tensors' element counts, layers back-propagated before
+    it), the last bucket's element counts, flushed by the epilogue). A hook of a gradient outside the
+    decoder layers counts as the top layer's (final norm, lm_head: their gradients come first) or, once
+    the layers' gradients have begun, as the bottom one's (the embeddings). Kept on the layout (never
+    mutated) per bucket size."""
+    key = ("bucket_flushes", bucket_elems)
+    if key in layout._memo:
+        return layout._memo[key]
+    n_layers = 1 + max((t.layer for t in layout.tensors if t.layer is not None), default=0)
+    cur: list[int] = []
+    total, seen_layer = 0, False
+    flushes: list[tuple[list[int], int]] = []
+    for t in reversed(layout.tensors):
+        seen_layer = seen_layer or t.layer is not None
+        done = n_layers - 1 - t.layer if t.layer is not None else (n_layers - 1 if seen_layer else 0)
+        if cur and total + t.numel > bucket_elems:
+            flushes.append((cur, done))
+            cur, total = [], 0
+        cur.append(t.numel)
+        total += t.numel
+    layout._memo[key] = (flushes, cur)
+    return flushes, cur
+
+
+def lone_oversized(sizes: list[int], bucket_elems: int) -> int:
+    """Elements of a bucket's lone gradient larger than the bucket (DeepSpeed keeps it as autograd's
+    until the flush that reduces it), else 0."""
+    return sizes[0] if len(sizes) == 1 and sizes[0] > bucket_elems else 0
+
+
+def scatter_temp_elements(sizes: list[int], n: int) -> int:
+    """Elements of the interleaved copy stage 3's reduce-scatter makes of a bucket (``comm/
+    coalesced_collectives.py`` ``reduce_scatter_coalesced``: each gradient padded to a multiple of the
+    world size, none for a lone gradient that divides evenly)."""
+    if len(sizes) == 1 and sizes[0] % n == 0:
+        return 0
+    return sum(-(-s // n) * n for s in sizes)
+
+
+def stage3_all_reduced(sizes: list[int], bucket_elems: int, *, reduce_scatter: bool, contiguous: bool) -> bool:
+    """True where stage 3 all-reduces this bucket in place rather than reduce-scattering it
+    (``__reduce_and_partition_ipg_grads``: ``contiguous_gradients and bucket.elements <=
+    reduce_bucket_size and not reduce_scatter``)."""
+    return contiguous and not reduce_scatter and sum(sizes) <= bucket_elems
+
+
+def stage3_flush_temp_elements(sizes: list[int], n: int, bucket_elems: int, *, reduce_scatter: bool,
+                               contiguous: bool) -> int:
+    """Elements of the copy a stage-3 flush makes of its bucket: none for the in-place all-reduce (the
+    communication dtype is the gradients' in every plan zeroplan makes), else the reduce-scatter's
+    interleaved copy."""
+    if stage3_all_reduced(sizes, bucket_elems, reduce_scatter=reduce_scatter, contiguous=contiguous):
+        return 0
+    return scatter_temp_elements(sizes, n)

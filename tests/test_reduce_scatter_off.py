@@ -11,9 +11,13 @@ below are written out from those rules; real DeepSpeed issues the same calls (te
 
 from __future__ import annotations
 
+import json
 import math
 
+from typer.testing import CliRunner
+
 from zeroplan.bench.validate import scaled_spec
+from zeroplan.cli import app
 from zeroplan.core.grad_buckets import ready_buckets, stage3_all_reduced, stage3_flush_temp_elements
 from zeroplan.core.layout import Layout, Tensor
 from zeroplan.core.plan import evaluate
@@ -99,3 +103,26 @@ def test_memory_has_no_interleaved_copy_for_an_in_place_all_reduce():
     assert off.memory.buffers_detail["reduce_scatter_temp"] == 0
     assert on.memory.buffers_detail["reduce_scatter_temp"] == 2 * RBS
     assert off.memory.peak <= on.memory.peak
+
+
+def test_check_warns_and_evaluates_turning_reduce_scatter_back_on(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 3, "reduce_scatter": False, "zero_quantized_gradients": True}}
+    path = tmp_path / "zeropp-tutorial.json"
+    path.write_text(json.dumps(cfg))
+    args = ["check", str(path), "-m", "llama-2-7b", "-H", "h100-8x-ib400", "--nodes", "2", "--format", "json"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code in (0, 1), r.output
+    (f,) = json.loads(r.stdout)["files"]
+    (zp,) = [x for x in f["findings"] if x["rule_id"] == "ZP205"]
+    assert zp["severity"] == "warning" and "qgZ does not quantise" in zp["message"]
+    assert zp["key"] == "zero_optimization.reduce_scatter"
+    (alt,) = zp["alternatives"]
+    assert alt["change"] == {"reduce_scatter": True} and alt["after"] < alt["before"]
+    # the tutorial's own 1e7 buckets: every matrix of a 7B model is a lone bucket larger than that, so
+    # only the norms' buckets are all-reduced (under 5% of the bytes): nothing worth a warning
+    for change in ({"reduce_bucket_size": 10_000_000}, {"reduce_scatter": True}):
+        cfg["zero_optimization"].update(change)
+        path.write_text(json.dumps(cfg))
+        r = CliRunner().invoke(app, args)
+        assert "ZP205" not in {x["rule_id"] for x in json.loads(r.stdout)["files"][0]["findings"]}

@@ -80,6 +80,8 @@ def apply_change(inp: PlanInputs, zero: ZeroConfig, training: TrainingSetup, hw:
         z_upd["zero_hpz_partition_size"] = int(change["hpz_partition_size"])
     if "reduce_bucket_size" in change:
         z_upd["reduce_bucket_size"] = int(change["reduce_bucket_size"])
+    if "reduce_scatter" in change:
+        z_upd["reduce_scatter"] = bool(change["reduce_scatter"])
     if "prefetch_bucket_size" in change:
         z_upd["prefetch_bucket_size"] = int(change["prefetch_bucket_size"])
     if "offload_optimizer" in change:

@@ -16,6 +16,7 @@ stage on the given model and hardware:
 | ZP202 | warning         | ZeRO-3 across nodes over an Ethernet inter-node link |
 | ZP203 | warning         | gradient-bucket collectives are latency-bound: the α (latency) part is > 50% of their α–β time |
 | ZP204 | warning         | stage 2 with gradient accumulation >= 4 (stage 2 reduces gradients every micro-step) where stage 1 fits |
+| ZP205 | warning         | stage 3 with ``reduce_scatter: false``: gradient buckets that fit are all-reduced (twice the traffic; qgZ skips them) |
 | ZP301 | info / warning  | stage 3 where stage 1 or 2 fits with the minimum headroom (warning when that lower stage is >= 5% faster) |
 | ZP302 | warning         | offload where the same stage fits without it (offload costs PCIe time every step) |
 

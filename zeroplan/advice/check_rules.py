@@ -3,7 +3,7 @@
 - capacity (``capacity_rules``): ZP101 OOM, ZP102 the stage-3 gather phase, ZP103 headroom,
   ZP104 host RAM, ZP105 NVMe;
 - communication (``comm_rules``): ZP201 exposed share, ZP202 ZeRO-3 over Ethernet, ZP203
-  latency-bound gradient buckets;
+  latency-bound gradient buckets, ZP205 stage 3 all-reducing its gradient buckets;
 - stage choice (``stage_rules``): ZP204 stage 2 with large accumulation, ZP301 stage 3 where a
   lower stage fits, ZP302 offload where it is not needed.
 
@@ -36,6 +36,7 @@ CHECK_RULES: dict[str, tuple[str, str]] = {
     "ZP202": ("warning", "ZeRO-3 across nodes over Ethernet"),
     "ZP203": ("warning", "gradient buckets not latency-bound"),
     "ZP204": ("warning", "stage 2 with large gradient accumulation"),
+    "ZP205": ("warning", "stage-3 gradients reduce-scattered, not all-reduced"),
     "ZP301": ("info", "stage 3 only where needed"),
     "ZP302": ("warning", "offload only where needed"),
 }
@@ -151,6 +152,8 @@ def comm_rules(ctx: AdviceContext, plan: Plan, add: Add, max_comm_share: float) 
                             " {after} vs {before}", bw=Quantity(value=NDR_GBPS_PER_GPU, unit="GB/s"),
                             after=_T(f.after), before=_T(f.before)))
         add("ZP202", "warning", _joined(parts), f"{z}.stage", stage, alternatives=alts)
+    if stage == 3 and not ctx.zero.reduce_scatter:
+        _reduce_scatter_off(ctx, plan, add)
     share, calls, bucket_s = bucket_latency_share(plan, hw)
     if share > 0.5:
         rbs = int(ctx.zero.reduce_bucket_size)
@@ -166,6 +169,24 @@ def comm_rules(ctx: AdviceContext, plan: Plan, add: Add, max_comm_share: float) 
             tail = reason("reduce_bucket_size {big} (now {rbs}) gives {after}" +
                           ("" if a.fits else " and does not fit (peak {peak})"), **slots)
         add("ZP203", "warning", _joined([r, tail]), f"{z}.reduce_bucket_size", rbs, alternatives=[a])
+
+
+def _reduce_scatter_off(ctx: AdviceContext, plan: Plan, add: Add) -> None:
+    """ZP205: stage 3 with ``reduce_scatter: false`` all-reduces every gradient bucket that fits
+    (core/grad_buckets.py), twice a reduce-scatter's traffic, and outside qgZ's quantisation; reported
+    where those all-reduces are at least ``MEANINGFUL`` of the bytes the step sends."""
+    ar = [e for e in plan.comm.collectives if e.op == "all_reduce" and e.phase == "backward"]
+    sent = sum(e.sent_bytes for e in ar)
+    if sent < MEANINGFUL * plan.comm.bytes_per_gpu_per_step:
+        return  # only small buckets fit (the norms' under a small reduce_bucket_size): nothing to gain
+    a = ctx.try_change({"reduce_scatter": True}, "comm_bytes_per_gpu_per_step", "lower")
+    r = reason("reduce_scatter is false at stage 3: {calls} gradient buckets per step are all-reduced in place "
+               "({sent} sent per GPU per step, twice what a reduce-scatter of them sends)" +
+               (", and qgZ does not quantise them" if ctx.zero.zero_quantized_gradients else "") +
+               "; with reduce_scatter true the step sends {after} instead of {before} (peak {peak})",
+               calls=_N(sum(e.count for e in ar)), sent=_B(sent), after=_B(a.after), before=_B(a.before),
+               peak=_B(a.after_peak_bytes))
+    add("ZP205", "warning", r, "zero_optimization.reduce_scatter", "false", alternatives=[a])
 
 
 def stage_rules(ctx: AdviceContext, plan: Plan, add: Add) -> None:

@@ -142,13 +142,13 @@ class Alternative(BaseModel):
     """A suggested change and what the model says it does.
 
     ``change`` keys: ``micro_batch``, ``grad_accum``, ``checkpointing`` (training), ``stage``, ``hpz_partition_size``,
-    ``reduce_bucket_size``, ``prefetch_bucket_size``, ``offload_optimizer``/``offload_param``
+    ``reduce_bucket_size``, ``reduce_scatter``, ``prefetch_bucket_size``, ``offload_optimizer``/``offload_param``
     (ZeRO config), ``inter_node_GBps_per_gpu`` (the hardware's inter-node link bandwidth).
     ``before``/``after``: ``metric`` on the current plan and on the changed one. ``fits``: the
     changed plan's peak fits GPU memory with the headroom, and host RAM fits.
     """
 
-    change: dict[str, int | float | str]
+    change: dict[str, bool | int | float | str]
     metric: Metric
     claim: Claim
     before: float

@@ -80,6 +80,7 @@ class InstrumentedComm(_BaseComm):
         self._rank = dist.get_rank(group)
         self._cuda_sync = cuda_sync_timing
         self._is_cuda = dist.get_backend(group) == "nccl"
+        self._gloo_thread = dist.get_backend(group) == "gloo"  # see _BaseComm._issue
         if self._is_cuda and not cuda_sync_timing:
             import torch
 
@@ -110,39 +111,39 @@ class InstrumentedComm(_BaseComm):
         rop = _reduce_op(op)
         d, g = self._dist, self.group
         return self._run("all_reduce", nbytes, t.dtype,
-                         lambda a: d.all_reduce(t, op=rop, group=g, async_op=a), async_op)
+                         lambda a: d.all_reduce(t, op=rop, group=g, async_op=a), async_op, held=(t,))
 
     def reduce_scatter(self, out: "torch.Tensor", inp: "torch.Tensor", op: str = "sum", *, async_op: bool = False):
         nbytes = self._v_reduce_scatter(out, inp)
         rop = _reduce_op(op)
         rs, g = self._rs, self.group
         return self._run("reduce_scatter", nbytes, inp.dtype,
-                         lambda a: rs(out, inp, op=rop, group=g, async_op=a), async_op)
+                         lambda a: rs(out, inp, op=rop, group=g, async_op=a), async_op, held=(out, inp))
 
     def all_gather(self, out: "torch.Tensor", inp: "torch.Tensor", *, async_op: bool = False):
         nbytes = self._v_all_gather(out, inp)
         ag, g = self._ag, self.group
         return self._run("all_gather", nbytes, inp.dtype,
-                         lambda a: ag(out, inp, group=g, async_op=a), async_op)
+                         lambda a: ag(out, inp, group=g, async_op=a), async_op, held=(out, inp))
 
     def broadcast(self, t: "torch.Tensor", src: int, *, async_op: bool = False):
         nbytes = self._v_root("broadcast", t, src, "src")
         d, g = self._dist, self.group
         return self._run("broadcast", nbytes, t.dtype,
-                         lambda a: d.broadcast(t, group=g, async_op=a, group_src=src), async_op)
+                         lambda a: d.broadcast(t, group=g, async_op=a, group_src=src), async_op, held=(t,))
 
     def reduce(self, t: "torch.Tensor", dst: int, op: str = "sum", *, async_op: bool = False):
         nbytes = self._v_root("reduce", t, dst, "dst")
         rop = _reduce_op(op)
         d, g = self._dist, self.group
         return self._run("reduce", nbytes, t.dtype,
-                         lambda a: d.reduce(t, op=rop, group=g, async_op=a, group_dst=dst), async_op)
+                         lambda a: d.reduce(t, op=rop, group=g, async_op=a, group_dst=dst), async_op, held=(t,))
 
     def all_to_all(self, out: "torch.Tensor", inp: "torch.Tensor", *, async_op: bool = False):
         nbytes = self._v_all_to_all(out, inp)
         d, g = self._dist, self.group
         return self._run("all_to_all", nbytes, inp.dtype,
-                         lambda a: d.all_to_all_single(out, inp, group=g, async_op=a), async_op)
+                         lambda a: d.all_to_all_single(out, inp, group=g, async_op=a), async_op, held=(out, inp))
 
 
 class LocalComm(_BaseComm):

@@ -5,7 +5,8 @@ Categories (the same names as the planner's): ``params``, ``gradients``, ``optim
 
 ``StorageTracker`` (CPU, and under FakeTensorMode) is a ``TorchDispatchMode`` that sees every
 tensor an operator returns and keeps the set of live tensor *storages* (keyed by the storage
-object, sized by ``nbytes()``), released through a weakref finalizer when the storage dies.
+object, sized by ``nbytes()``), released through a weakref finalizer when the storage dies (a death on
+another thread, such as gloo's worker, is applied by the tracker's own thread before its next record).
 Views share their storage, so nothing is counted twice. The engine tags its own tensors
 (``tag(t, "optimizer_states")`` ...); anything untagged that is allocated during ``forward`` is
 ``activations``, anything else untagged is ``other``. For every phase the tracker keeps the
@@ -30,7 +31,9 @@ the bookkeeping of live bytes and peaks are ``runtime/memory_ledger.py``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
 import weakref
 from typing import Any, Iterator
 
@@ -68,6 +71,11 @@ class StorageTracker:
         self.ledger = _Ledger()
         self.memory_limit_bytes = memory_limit_bytes
         self._live: dict[int, list] = {}  # id(storage) -> [nbytes, category, host, weakref]
+        # a storage can die on another thread (gloo's worker drops the last reference to a collective's
+        # tensor: runtime/comm_base.py _issue): its release waits here for the tracker's own thread, which
+        # applies it before anything else it records, so the ledger is only ever updated from one thread
+        self._owner = threading.get_ident()
+        self._pending: collections.deque[int] = collections.deque()
         self._mode = None
         self._host_depth = 0
         base = _dispatch_base()
@@ -90,6 +98,7 @@ class StorageTracker:
     def phase(self, value: str) -> None:
         if value not in PHASES:
             raise ValueError(f"phase {value!r}: expected one of {', '.join(PHASES)}")
+        self._drain()
         self.ledger.phase = value
 
     @property
@@ -110,6 +119,7 @@ class StorageTracker:
         """Attribute ``t``'s storage to ``category`` (registering it if it is not known yet)."""
         if category not in CATEGORIES:
             raise ValueError(f"category {category!r}: expected one of {', '.join(CATEGORIES)}")
+        self._drain()
         st = t.untyped_storage()
         key = id(st)
         entry = self._live.get(key)
@@ -141,16 +151,20 @@ class StorageTracker:
             self._host_depth -= 1
 
     def reset_peaks(self) -> None:
+        self._drain()
         self.ledger.reset_peaks()
 
     def phase_peaks(self) -> dict[str, dict[str, Any]]:
+        self._drain()
         return self.ledger.phase_peaks()
 
     def current_by_category(self) -> dict[str, int]:
+        self._drain()
         return dict(self.ledger.current)
 
     @property
     def live_bytes(self) -> int:
+        self._drain()
         return self.ledger.total
 
     # ------------------------------------------------------------------ internals
@@ -158,6 +172,7 @@ class StorageTracker:
         return "activations" if self.ledger.phase == "forward" else "other"
 
     def _see(self, out: Any) -> None:
+        self._drain()
         torch = self._torch
         if isinstance(out, torch.Tensor):
             self._see_tensor(out)
@@ -191,6 +206,18 @@ class StorageTracker:
         self._add(category, host, nbytes)
 
     def _release(self, key: int) -> None:
+        if threading.get_ident() != self._owner:
+            self._pending.append(key)  # deque.append is atomic
+            return
+        self._drain()
+        self._release_now(key)
+
+    def _drain(self) -> None:
+        """Apply the releases that happened on other threads (see ``__init__``)."""
+        while self._pending:
+            self._release_now(self._pending.popleft())
+
+    def _release_now(self, key: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
             self._sub(entry[1], entry[2], entry[0])

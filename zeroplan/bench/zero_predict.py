@@ -41,13 +41,31 @@ def _zero_config(stage: int, ds: Any) -> Any:
     return ds.zero.model_copy(update=upd)
 
 
+def engine_optimizer_impl(device: str) -> str:
+    """The optimizer rule (core/memory_states.py ``optimizer_temp_bytes``) of the bundled engine's AdamW on
+    ``device``: on CPU its ``planner`` mimic keeps one fp32 temporary of the group's size (engine_base.py
+    ``_adamw_one``: the denominator), torch's foreach rule; on CUDA it updates in FusedAdam's chunks."""
+    return "fused-adam" if device == "cuda" else "torch-foreach"
+
+
+def deepspeed_optimizer_impl(device: str, optimizer_block: bool) -> str:
+    """The optimizer DeepSpeed steps in ``bench zero --engine deepspeed`` (bench/ds_worker.py): on CUDA the
+    config's optimizer block becomes FusedAdam, without one a client torch AdamW (foreach on CUDA tensors);
+    on CPU a client torch AdamW, which takes its single-tensor path for CPU tensors."""
+    if device != "cuda":
+        return "torch-single"
+    return "fused-adam" if optimizer_block else "torch-foreach"
+
+
 def predict(spec: Any, zero: Any, *, precision: str, micro_batch: int, seq_len: int, grad_accum: int,
             n: int, comm_model: str = "deepspeed", hardware: Any = None, optimizer: str = "adamw",
-            checkpointing: str = "none", finetune: Any = None) -> Any:
+            checkpointing: str = "none", finetune: Any = None, optimizer_impl: str = "fused-adam") -> Any:
     """The planner's ``Plan`` for exactly this run (``zeroplan.core.plan.evaluate``).
 
     ``finetune``: a ``specs.finetune.FineTune`` (LoRA / partial training): the plan then takes
     the trainable and full views of ``core.finetune.finetune_views``, as ``estimate`` does.
+    ``optimizer_impl``: the optimizer's step temporaries (``engine_optimizer_impl``,
+    ``deepspeed_optimizer_impl``).
     """
     from zeroplan.core.finetune import finetune_views
     from zeroplan.core.plan import evaluate
@@ -55,7 +73,7 @@ def predict(spec: Any, zero: Any, *, precision: str, micro_batch: int, seq_len: 
 
     training = TrainingSetup(precision=get_precision(precision), optimizer=get_optimizer(optimizer),
                              micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, flash_attention=True,
-                             checkpointing=checkpointing)
+                             checkpointing=checkpointing, optimizer_impl=optimizer_impl)
     views = None
     if finetune is not None and not finetune.is_full:
         views = finetune_views(spec, finetune, compute_bytes=training.precision.param_bytes)

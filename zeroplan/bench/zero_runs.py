@@ -14,7 +14,7 @@ from zeroplan.bench.limits import check_rank_bytes, ranks_on_this_host
 from zeroplan.bench.zero_compare import MODEL_STATE_TOLERANCE, PHASE_PEAK_TOLERANCE, _row, compare
 from zeroplan.bench.zero_inputs import scale_buckets, user_zero_keys
 from zeroplan.bench.zero_measure import _group, _preload_dispatch, _rank_entry
-from zeroplan.bench.zero_predict import _zero_config, predict
+from zeroplan.bench.zero_predict import _zero_config, deepspeed_optimizer_impl, engine_optimizer_impl, predict
 
 
 def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, ds: Any = None,
@@ -48,8 +48,9 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
     runs, buckets = _stage_runs(stages, ds, zero_overrides, bucket_scale, warmup, common)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc  # torchrun has checked the variables
     plans = [predict(spec, runs[k]["zero"], precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                     grad_accum=grad_accum, n=world, comm_model=comm_model,
-                     hardware=hardware, checkpointing=checkpointing, finetune=finetune) for k in range(len(stages))]
+                     grad_accum=grad_accum, n=world, comm_model=comm_model, hardware=hardware,
+                     checkpointing=checkpointing, finetune=finetune, optimizer_impl=engine_optimizer_impl(device))
+             for k in range(len(stages))]
     check_rank_bytes(max(p.memory.peak for p in plans), device=device, ranks=ranks_on_this_host(nproc),
                      what=f"--micro-batch {micro_batch:,} × --seq-len {seq_len:,} on {spec.params:,} parameters: "
                           "the planner's peak for this run is", lower="--micro-batch, --seq-len, --layers or --hidden",
@@ -185,7 +186,8 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
         "tolerance": tol, "stages": [], "failures": failures, "findings": [],
     }
     plan = predict(spec, ds.zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                   grad_accum=grad_accum, n=nproc, comm_model="deepspeed", hardware=hardware, finetune=finetune)
+                   grad_accum=grad_accum, n=nproc, comm_model="deepspeed", hardware=hardware, finetune=finetune,
+                   optimizer_impl=deepspeed_optimizer_impl(device, "optimizer" in ds.raw))
     entry: dict[str, Any] = {"stage": stage, "predicted_peak_bytes": plan.memory.peak,
                              "predicted_peak_phase": plan.memory.peak_phase, "rows": []}
     if not failures:
@@ -254,7 +256,8 @@ def run_simulated_bench(spec: Any, stages: list[int], *, n: int, precision: str,
         measured = simulate_rank(spec, zero, n=n, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
                                  grad_accum=grad_accum, comm_model=comm_model, steps=3 if st == 3 else 2)
         plan = predict(spec, zero, precision=precision, micro_batch=micro_batch, seq_len=seq_len,
-                       grad_accum=grad_accum, n=n, comm_model=comm_model, hardware=hardware)
+                       grad_accum=grad_accum, n=n, comm_model=comm_model, hardware=hardware,
+                       optimizer_impl=engine_optimizer_impl("cpu"))  # simulated on the CPU mimic
         rows = [r for r in compare(plan, [measured], model_state_tol=tol["model_state"], phase_tol=tol["phase_peak"],
                                    collective_tol=tol["collective"]) if r["kind"] != "step_time"]
         entry = {"stage": st, "rows": rows, "ok": all(r["ok"] for r in rows),

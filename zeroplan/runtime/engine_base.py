@@ -91,8 +91,11 @@ class EngineBase:
         else:
             flat = self._tag(grad16.clone(), "buffers")  # DeepSpeed's flatten of the averaged gradients
             g32 = self._tag(flat.float(), "buffers") if flat.dtype != torch.float32 else flat
-            if self.mimic == "deepspeed-cuda":
-                del flat  # stage_1_and_2.py step(): `del flat_grad_partition` before _optimizer_step
+            if self.mimic == "deepspeed-cuda" or self.zero.stage == 3:
+                # stage_1_and_2.py step(): `del flat_grad_partition` before _optimizer_step; stage3.py
+                # _prepare_fp32_grad_for_sub_group: `flatten(...).to(fp32)` keeps no bit16 copy, with either
+                # accelerator
+                del flat
         self._norm_sq = torch.dot(g32, g32).to(torch.float64) if g32.numel() else torch.zeros((), dtype=torch.float64)
         self._adamw(master, m, v, g32)
         del g32

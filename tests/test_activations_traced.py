@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASURES = {"layer", "head", "loss_extra", "fwd_layer_start_delta", "fwd_layer_extra", "head_extra",
             "layer_start_delta", "layer_extra"}
 VARIANTS = {"sdpa/none", "sdpa/full", "eager/none", "eager/full"}
+VARIANTS = VARIANTS | {f"{v}/fp32" for v in VARIANTS}  # fp32 training, traced apart (no upcast copies)
 
 
 def _bf16(**kw) -> TrainingSetup:
@@ -88,10 +89,20 @@ def test_full_checkpointing_does_not_stack_logits_and_recompute():
     assert paper.backward_peak == paper.total + 4 * s * V + paper.recompute
 
 
+def test_fp32_training_reads_its_own_trace():
+    """fp32 keeps no fp32 copies of what 16-bit training upcasts: LlamaRMSNorm's ``to(float32)`` of an fp32
+    input is the input itself, so per token a layer keeps 4 bytes per element where bf16 keeps 2 plus the
+    norms' fp32 copies; the fp32 trace is its own variant, not twice the bf16 one."""
+    spec = load_model("llama-2-7b")
+    tr = dict(seq_len=2048, micro_batch=1)
+    fp32 = activation_memory(spec, TrainingSetup(precision=get_precision("fp32"), **tr))
+    bf16 = activation_memory(spec, _bf16(**tr))
+    assert fp32.source.endswith(", fp32") and bf16.source.startswith("transformers ")
+    assert fp32.per_layer != 2 * bf16.per_layer
+
+
 def test_fallbacks_to_korthikanti():
     spec = load_model("llama-2-7b")
-    fp32 = activation_memory(spec, TrainingSetup(precision=get_precision("fp32")))
-    assert fp32.source == "paper"  # the trace is for 16-bit activations
     paper = activation_memory(spec, _bf16(), flavour="paper")
     assert paper.source == "paper" and paper.forward_peak == paper.total
     cfg = dict(spec.hf_config, model_type="made_up_family")
@@ -142,12 +153,13 @@ def test_retrace_matches_shipped_data(family):
     spec = base.scaled(hidden_size=h, intermediate_size=base.intermediate_size * h // base.hidden_size,
                        vocab_size=base.vocab_size * h // base.hidden_size)
     checked = 0
-    for attn, ckpt in (("sdpa", False), ("eager", True)):
-        coef = data["families"][family]["variants"][f"{attn}/{'full' if ckpt else 'none'}"]
+    for attn, ckpt, dtype in (("sdpa", False, "bf16"), ("eager", True, "bf16"), ("sdpa", False, "fp32")):
+        coef = data["families"][family]["variants"][f"{attn}/{'full' if ckpt else 'none'}"
+                                                    + ("/fp32" if dtype == "fp32" else "")]
         if coef is None:  # no exact form (the data says why): the planner uses the paper formula
             continue
         checked += 1
-        got = tr._measures(spec.hf_config, 59, "bf16", attn, ckpt)
+        got = tr._measures(spec.hf_config, 59, dtype, attn, ckpt)
         want = {m: tr.predict(c, spec, 59) for m, c in coef.items()}
         assert got == want, (family, attn, ckpt)
     assert checked, family

@@ -81,11 +81,30 @@ def test_stage12_step_frees_16bit_grads_before_the_optimizer(stage):
 
 def test_stage1_boundary_backward_keeps_the_full_gradients():
     """stage_1_and_2.py reduce_ipg_grads (stage 1): only the partition's grads are copied into
-    grads_in_partition; the others stay until step() frees them (free_grad_in_param_list)."""
+    grads_in_partition; the others stay until step() frees them (free_grad_in_param_list). reduce_gradients
+    runs in parameter order, moves each gradient no larger than the bucket into it (freeing autograd's) and
+    allocates a rank's grads_in_partition (the whole parameters overlapping its partition) at the first flush
+    holding one of them: written out here rank by rank for Llama-2-7B on 8 GPUs and 5e8-element buckets."""
     lay = build_layout(SPEC, N)
     m = plan(stage=1).memory
     assert m.gradients == 2 * lay.flat_padded
-    assert m.phases["backward"].by_category["gradients"] in (0, 2 * lay.flat_padded)
+    sizes = [t.numel for t in lay.tensors]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    buckets, cur = [], []  # tensor indices per bucket, flushed before the one that would overflow 5e8
+    for i, k in enumerate(sizes):
+        if cur and sum(sizes[j] for j in cur) + k > 500_000_000:
+            buckets.append(cur)
+            cur = []
+        cur.append(i)
+    buckets.append(cur)
+    part, extra = lay.flat_padded // N, 0
+    for r in range(N):
+        owned = [i for i, (a, k) in enumerate(zip(starts, sizes)) if a < (r + 1) * part and a + k > r * part]
+        first = next(b for b, ids in enumerate(buckets) if owned[0] in ids)
+        moved = sum(sizes[i] for ids in buckets[:first + 1] for i in ids if sizes[i] <= 500_000_000)
+        extra = max(extra, sum(sizes[i] for i in owned) - moved)
+    assert extra > 0  # 8 partitions of 842M elements against a first flush of under 500M
+    assert m.phases["backward"].by_category["gradients"] in (0, 2 * lay.flat_padded, 2 * (lay.flat_padded + extra))
 
 
 # ---- data_types.grad_accum_dtype (engine.py _do_optimizer_sanity_check) ----

@@ -26,6 +26,9 @@ gradients are dropped as soon as they are accumulated, as ZeRO does):
 - ``layer_start`` / ``layer_peak``: live when the last decoder layer's backward starts (its
   output's gradient hook fires) and the most live until the next layer starts.
 
+Traced in bf16 (fp16 checked equal at the catalog shape) and in fp32, whose variants are keyed
+``.../fp32``: fp32 training keeps other tensors (no fp32 copy of a norm's input or of the logits).
+
 A layer's share is the difference between the 2-layer and the 1-layer trace; the rest is the
 "head" (embeddings, final norm, logits, loss). Bytes per token are fitted as integer-exact
 linear forms over h, q = a·head_dim, kv = kv_heads·head_dim, ffn, a, a·s (eager attention
@@ -71,7 +74,7 @@ FAMILIES = {
     "phi3": "phi-3-mini",
 }
 SEQS = (61, 67)  # (and HELD_OUT_SEQ = 71) primes: no weight dimension equals them, so shapes tell activations apart
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def catalog_config(family: str) -> dict[str, Any]:
@@ -215,9 +218,9 @@ class NotLinear(RuntimeError):
     """A measure that no linear form over the features reproduces exactly."""
 
 
-def _check_held_out(family: str, key: str, attn: str, ckpt: bool, fitted: dict[str, dict[str, Any]]) -> None:
+def _check_held_out(family: str, dtype: str, attn: str, ckpt: bool, fitted: dict[str, dict[str, Any]]) -> None:
     spec = held_out(family)
-    got = _measures(spec.hf_config, HELD_OUT_SEQ, "bf16", attn, ckpt)
+    got = _measures(spec.hf_config, HELD_OUT_SEQ, dtype, attn, ckpt)
     for m, coef in fitted.items():
         if predict(coef, spec, HELD_OUT_SEQ) != got[m]:
             raise NotLinear(f"{m}: the fit predicts {predict(coef, spec, HELD_OUT_SEQ)} bytes at the held-out "
@@ -245,32 +248,35 @@ def _fit(rows: list[dict[str, int]], ys: list[int], measure: str = "") -> dict[s
 
 def fit_family(family: str, log: Any = None) -> dict[str, Any]:
     specs = _perturbed(family)
-    from zeroplan.core.activations import _dropout
+    from zeroplan.core.activation_terms import dropout_flags
     out: dict[str, Any] = {"catalog_model": FAMILIES[family], "samples": len(specs) + 3,
-                           "dropout": list(_dropout(specs[0]))}  # (attention, hidden) dropout as traced
+                           "dropout": list(dropout_flags(specs[0]))}  # (attention, hidden) dropout as traced
     variants: dict[str, Any] = {}
-    for attn in ("sdpa", "eager"):
-        for ckpt in (False, True):
-            key = f"{attn}/{'full' if ckpt else 'none'}"
-            rows, meas = [], []
+    # 16-bit training under "sdpa/none" etc.; fp32 training (no casts: an fp32 RMSNorm input is the input
+    # itself, the loss' upcast is the logits) under "sdpa/none/fp32" etc.
+    for dtype, attn, ckpt in ((d, a, c) for d in ("bf16", "fp32") for a in ("sdpa", "eager") for c in (False, True)):
+        key = f"{attn}/{'full' if ckpt else 'none'}" + ("/fp32" if dtype == "fp32" else "")
+        rows, meas = [], []
+        try:
             for i, spec in enumerate(specs):
                 # every shape at SEQS[0]; the catalog shape and the one with more heads also at the
                 # other lengths (separates per-sequence, per-token, s² and a·s² terms)
                 for seq in (SEQS[0],) + ((SEQS[1], EXTRA_SEQ) if i == 0 else (SEQS[1],) if i == 1 else ()):
                     rows.append(_rows(spec, seq))
-                    meas.append(_measures(spec.hf_config, seq, "bf16", attn, ckpt))
-            try:
-                fitted = {m: {c: _num(v) for c, v in _fit(rows, [x[m] for x in meas], m).items()} for m in meas[0]}
-                _check_held_out(family, key, attn, ckpt, fitted)
-            except NotLinear as e:  # a peak that moves between ops as the shape changes: not one linear form
-                out.setdefault("unfitted", {})[key] = str(e)
-                variants[key] = None
-                if log:
-                    log(f"{family} {key}: not fitted ({e})")
-                continue
-            variants[key] = fitted
+                    meas.append(_measures(spec.hf_config, seq, dtype, attn, ckpt))
+            fitted = {m: {c: _num(v) for c, v in _fit(rows, [x[m] for x in meas], m).items()} for m in meas[0]}
+            _check_held_out(family, dtype, attn, ckpt, fitted)
+        # NotLinear: a peak that moves between ops as the shape changes, not one linear form; fp32 also where a
+        # CPU kernel takes no fp32 (the MoE experts' grouped_mm)
+        except (NotLinear if dtype == "bf16" else RuntimeError) as e:
+            out.setdefault("unfitted", {})[key] = str(e).splitlines()[0]
+            variants[key] = None
             if log:
-                log(f"{family} {key}: layer {variants[key]['layer']}")
+                log(f"{family} {key}: not fitted ({e})")
+            continue
+        variants[key] = fitted
+        if log:
+            log(f"{family} {key}: layer {variants[key]['layer']}")
     # fp16 at the catalog shape must trace the same bytes as bf16 (both 2-byte dtypes)
     base = specs[0].hf_config
     for attn, ckpt in (("sdpa", False), ("eager", True)):
@@ -295,7 +301,7 @@ def generate(families: list[str], log: Any = print) -> dict[str, Any]:
                  "regenerate with `python examples/activations/trace.py`.",
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__.split("+")[0],
-        "dtypes": ["bf16", "fp16"],
+        "dtypes": ["bf16", "fp16", "fp32"],
         "features": "bytes per token: tok=1, s=seq, h, q=a*head_dim, kv=kv_heads*head_dim, hd=head_dim, rot=rotary dims, ffn, a, "
                     "as=a*seq, V, E, kh=k*h, kffn=k*ffn, k (k=experts per token); const = bytes per sequence",
         "families": {f: fit_family(f, log) for f in families},

@@ -25,7 +25,8 @@ All results are bytes for ONE micro-batch on one GPU (data parallel: no sequence
 parallel splitting).
 
 That sum is the ``paper`` flavour, and the fallback. For the families transformers implements
-(llama, mistral, mixtral, qwen2, gemma, gpt2, gpt_neox, falcon, phi, phi3) in 16-bit training the
+(llama, mistral, mixtral, qwen2, gemma, gpt2, gpt_neox, falcon, phi, phi3) in 16-bit and in fp32 training
+(fp32 keeps no upcast copies: its variants are traced apart, keyed ``.../fp32``) the
 default (``deepspeed``) flavour reads ``activation_data.json``, which
 ``examples/activations/trace.py`` traces from transformers itself (FakeTensorMode, autograd's
 saved-tensor hooks and a live-storage tracker): per family, attention implementation (sdpa,
@@ -119,13 +120,14 @@ def _traced(spec: ModelSpec, training: TrainingSetup, attention: str) -> Activat
     """From the shipped transformers trace, or None where it does not apply (see module doc)."""
     data = traced_data()
     fam = data["families"].get(spec.model_type)
-    if fam is None or training.precision.activation_bytes != 2:
+    act_bytes = training.precision.activation_bytes
+    if fam is None or act_bytes not in (2, 4):
         return None
     if list(dropout_flags(spec)) != fam["dropout"]:
         return None  # traced with the catalog's dropout setting; another setting saves other masks
     impl = "eager" if attention == "eager" else "sdpa"  # flash-attention-2 keeps what SDPA keeps (q, k, v, out, lse)
     ckpt = "full" if training.checkpointing == "full" else "none"
-    var = fam["variants"].get(f"{impl}/{ckpt}")
+    var = fam["variants"].get(f"{impl}/{ckpt}" + ("/fp32" if act_bytes == 4 else ""))
     if var is None:
         return None  # no exact linear form for this variant (the data's "unfitted" says why)
     if impl == "sdpa" and any(c.get("as") for c in var.values()):
@@ -141,7 +143,8 @@ def _traced(spec: ModelSpec, training: TrainingSetup, attention: str) -> Activat
     logits = b * _eval({"V": var["head"].get("V", 0)}, feats, s)
     fwd = total + max(m["loss_extra"], m["fwd_layer_start_delta"] + m["fwd_layer_extra"])
     bwd = total + max(m["head_extra"], m["layer_start_delta"] + m["layer_extra"])
-    src = f"transformers {data['transformers_version']} trace: {spec.model_type}, {impl} attention"
+    src = f"transformers {data['transformers_version']} trace: {spec.model_type}, {impl} attention" + (
+        ", fp32" if act_bytes == 4 else "")
     return ActivationBreakdown(
         per_layer=m["layer"], layers=L * m["layer"], recompute=m["layer_extra"] if ckpt == "full" else 0,
         embeddings=m["head"] - logits, logits=logits, total=total, forward_peak=max(fwd, total),

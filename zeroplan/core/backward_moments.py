@@ -41,7 +41,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from zeroplan.core.grad_buckets import lone_oversized, ready_buckets, stage3_flush_temp_elements
+from zeroplan.core.grad_buckets import (
+    lone_oversized, ready_buckets, stage1_partition_copy_extra, stage3_flush_temp_elements,
+)
 from zeroplan.core.layout import Layout
 from zeroplan.core.stage3_live import BackwardGathered
 
@@ -138,8 +140,12 @@ def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: 
         return _stage3(pb, layout, hg, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, grads_end=grads_end,
                        gathered=gathered, reduce_scatter=reduce_scatter)
     if stage != 2 or off_opt != "none" or not ipg:  # ipg_bucket: contiguous gradients
+        # stage 1 reducing after the backward: its gradient partition buffer beside the gradients not yet moved
+        # into the bucket (core/grad_buckets.py)
+        copy = b_p * stage1_partition_copy_extra(layout, bucket_elems) if (
+            stage == 1 and ipg and off_opt == "none" and not overlap) else 0
         return _two_ends(pb, hg, stage=stage, grads_end=grads_end, b_p=b_p, overlap=overlap, kept=grads_in_p_grad,
-                         offload=off_opt != "none", ipg_kept=pb.ipg_through_forward)
+                         offload=off_opt != "none", ipg_kept=pb.ipg_through_forward, partition_copy=copy)
     return _stage2(pb, layout, hg, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, grads_end=grads_end,
                    copies=multi_rank_flatten, keep_oversized=keep_oversized)
 
@@ -210,7 +216,7 @@ def _flush_extra(sizes: list[int], span: tuple[int, int], layout: Layout, *, b_c
 
 
 def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: int, overlap: bool, kept: bool,
-              offload: bool, ipg_kept: bool = False) -> list[BackwardMoment]:
+              offload: bool, ipg_kept: bool = False, partition_copy: int = 0) -> list[BackwardMoment]:
     """Every other stage: its buffers beside the activations' backward peak, and the gradients and
     buffers at the end; a tied weight's gradient held between them. Stages 0-1 without ``overlap_comm``
     reduce after autograd's backward (engine.py ``allreduce_gradients``, stage_1_and_2.py
@@ -221,7 +227,9 @@ def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: in
     ``setup_buckets``), after the head's backward. Where the gradient kept is ``p.grad`` (``kept``) the
     tied sum becomes it (counted in the gradients at the end). Stage 1 with ``overlap_comm`` over several
     micro-steps: the same, with its two buckets. ``ipg_kept``: the bucket lives on from an earlier
-    micro-step (stage 1 with gradient accumulation), so the head's backward already holds it."""
+    micro-step (stage 1 with gradient accumulation), so the head's backward already holds it.
+    ``partition_copy``: bytes stage 1's reduction holds beyond the gradients at its first owned flush
+    (``stage1_partition_copy_extra``)."""
     held = pb.held.get("backward", 0)
     ipg = pb.detail.get("ipg_bucket", 0) if stage == 1 and not offload else 0
     # with overlap_comm and several micro-steps (the boundary's backward starts with the accumulated p.grad,
@@ -248,6 +256,10 @@ def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: in
                                   autograd=b_p * hg.tied * (2 if kept else 3)))
     out.append(BackwardMoment(what="backward end", buffers=end, held_buffers=held, gradients=grads_end,
                               activations="none"))
+    if partition_copy > 0:
+        out.append(BackwardMoment(what="reduction after the backward (gradient partition buffer allocated beside "
+                                       "the gradients not yet moved into the bucket)", buffers=end, held_buffers=held,
+                                  gradients=grads_end + partition_copy, activations="none"))
     return out
 
 

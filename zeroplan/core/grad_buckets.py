@@ -16,6 +16,13 @@ Reducing a stage-3 bucket (``__reduce_and_partition_ipg_grads``), two ways:
 - otherwise ``__avg_scatter_grads``: ``reduce_scatter_coalesced`` pads each gradient to a multiple of
   the world size and interleaves them in one copy (none for a lone gradient that divides evenly), or
   qgZ's ``all_to_all_quant_reduce`` across nodes.
+
+Stage 1 without ``overlap_comm`` reduces after autograd's backward (``reduce_gradients``), in parameter
+order: each gradient no larger than the bucket is moved into it (autograd's storage freed), a larger one
+stays autograd's, and no reduced gradient is cleared. At the first flush that holds a parameter of a rank's
+partition, ``reduce_ipg_grads`` -> ``copy_grads_in_partition`` allocates that rank's gradient partition
+buffer (the whole parameters overlapping its partition) beside every gradient not yet moved
+(``stage1_partition_copy_extra``).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 from zeroplan.core.layout import Layout
 
 __all__ = ["ready_buckets", "lone_oversized", "scatter_temp_elements", "stage3_all_reduced",
-           "stage3_flush_temp_elements"]
+           "stage3_flush_temp_elements", "stage1_partition_copy_extra"]
 
 
 def ready_buckets(layout: Layout, bucket_elems: int) -> tuple[list[tuple[list[int], int]], list[int]]:
@@ -81,3 +88,29 @@ def stage3_flush_temp_elements(sizes: list[int], n: int, bucket_elems: int, *, r
     if stage3_all_reduced(sizes, bucket_elems, reduce_scatter=reduce_scatter, contiguous=contiguous):
         return 0
     return scatter_temp_elements(sizes, n)
+
+
+def stage1_partition_copy_extra(layout: Layout, bucket_elems: int) -> int:
+    """Elements stage 1's reduction after the backward holds beyond the model's gradients, on the heaviest rank:
+    its gradient partition buffer, less the gradients already moved into the bucket (freed) by the flush that
+    allocates it; 0 where the buffer comes after more than its size has been moved (the backward's end, every
+    gradient and the bucket, is then the larger moment). Over the distinct ranks' spans, not every rank."""
+    ranges = layout.bucket_ranges_12(bucket_elems, "forward")
+    moved, total = [], 0  # gradients moved into the bucket through each bucket's flush
+    pos, sizes = 0, []
+    for t in layout.tensors:
+        sizes.append((pos, t.numel))
+        pos += t.numel
+    for lo, hi in ranges:
+        total += sum(n for start, n in sizes if lo <= start < hi and n <= bucket_elems)
+        moved.append(total)
+    from bisect import bisect_right
+
+    starts = [lo for lo, _ in ranges]
+    best = 0
+    for lo, hi in layout.grad_partition_spans_12:
+        if lo >= layout.params:  # a partition of padding only: no parameter, no copy
+            continue
+        k = bisect_right(starts, lo) - 1
+        best = max(best, (hi - lo) - moved[k])
+    return best

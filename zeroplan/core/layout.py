@@ -101,6 +101,11 @@ class Layout:
         grad_partition_span_12 over every rank)."""
         return max(hi - lo for lo, hi, _ in self._rank_spans_12)
 
+    @property
+    def grad_partition_spans_12(self) -> list[tuple[int, int]]:
+        """[lo, hi) of every distinct rank's stage-1/2 gradient partition buffer (``grad_partition_span_12``)."""
+        return [(lo, hi) for lo, hi, _ in self._rank_spans_12]
+
     @cached_property
     def _rank_spans_12(self) -> list[tuple[int, int, int]]:
         """Per distinct rank, (lo, hi) of its gradient partition buffer and the largest piece of one tensor

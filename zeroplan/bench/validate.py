@@ -9,24 +9,20 @@ compare, per optimizer step:
 - collectives grouped by (op, phase): calls and full-buffer bytes — must be EQUAL;
 - model states (params, gradients, optimizer_states, their sum; bytes per rank, measured at
   the start of the optimizer step) — within 1 %;
-- phase peaks (forward, backward, step; bytes per rank, max over ranks) — within
-  ``PHASE_PEAK_TOLERANCE`` (see below), and the category breakdown at each peak (shown,
-  not gated);
+- phase peaks (forward, backward, step; bytes per rank, max over ranks) — within the plan's
+  phase-peak tolerance (see below), and the category breakdown at each peak (shown, not gated);
 - step time: predicted only when a hardware profile is given (never gated: CPU timings).
 
 Memory is exact tensor-storage accounting on CPU (``runtime.memory.StorageTracker``) and
 ``torch.cuda.max_memory_allocated`` per phase on CUDA; never process RSS.
 
-Phase-peak tolerance, from measurements (``PHASE_PEAK_TOLERANCE = 0.6``, relative): 256 runs
-(llama- and gpt2-shaped models of 0.12-0.16 M parameters, N = 2 and 4, fp32 and bf16, stages
-0-3, grad_accum 1 and 2, reduce_bucket_size 3000 and the default 5e8) gave measured/predicted
-- 1 of: step -0 % to +8 % (small buckets), up to +40 % (one default-bucket stage-2 run);
-backward +0 % to +44 %; forward -12 % to +59 %. The forward excess comes from two planner
-simplifications, not from the engine: with grad_accum > 1 the stage 0-2 gradients of the
-previous micro-step are live during the next forward (the planner counts none), and the toy
-model's activations (fp32 loss over the logits, head dim 16) exceed the Korthikanti estimate.
-At real model sizes model states and buckets dominate and the error is far smaller
-(llama-2-70b, simulated at N = 8 and 64: all phase peaks within 7 %).
+Phase-peak tolerance, from measurements (``examples/validation/phase-peaks/``: 256 runs of llama- and
+gpt2-shaped models of 0.16-0.2 M parameters, N = 2 and 4, fp32 and bf16, stages 0-3, grad_accum 1 and 2,
+reduce_bucket_size 3000 and the default 5e8, 2 x 16 and 4 x 64 tokens), set by how the plan knows the
+activations (``zero_compare.phase_peak_tolerance``): ``PHASE_PEAK_TOLERANCE_TRACED = 0.15`` where they are
+the transformers trace, ``PHASE_PEAK_TOLERANCE = 0.6`` where Korthikanti's formula (see the sweep's README
+for the ranges measured; step peaks agree within 0.2 % in every run, the plan taking the optimizer the
+engine runs, ``zero_predict.engine_optimizer_impl``). ``--tolerance`` is a floor under it.
 
 The work is split by concern and this module re-exports every name it had: ``zero_predict``
 (scaled model, per-stage ZeroConfig, the plan), ``zero_measure`` (one rank on the bundled engine),
@@ -43,7 +39,8 @@ from typing import Any
 
 from zeroplan._util import InputError, atomic_write_text
 from zeroplan.bench.zero_compare import (  # noqa: F401 - re-exported
-    _CATS, _PHASES, _STATES, MODEL_STATE_TOLERANCE, PHASE_PEAK_TOLERANCE, _row, compare)
+    _CATS, _PHASES, _STATES, MODEL_STATE_TOLERANCE, PHASE_PEAK_TOLERANCE, PHASE_PEAK_TOLERANCE_TRACED, _row, compare,
+    phase_peak_tolerance)
 from zeroplan.bench.zero_inputs import header_lines
 from zeroplan.bench.zero_measure import _group, _inject, _preload_dispatch, _rank_entry, measure_rank  # noqa: F401
 from zeroplan.bench.zero_predict import _zero_config, predict, scaled_spec  # noqa: F401
@@ -61,6 +58,8 @@ __all__ = [
     "compare",
     "scaled_spec",
     "PHASE_PEAK_TOLERANCE",
+    "PHASE_PEAK_TOLERANCE_TRACED",
+    "phase_peak_tolerance",
     "MODEL_STATE_TOLERANCE",
 ]
 
@@ -169,7 +168,8 @@ def _tolerance(tolerance: float | None) -> dict[str, float] | None:
     if tolerance is not None:
         if not (math.isfinite(tolerance) and tolerance >= 0):  # nan and inf too: the report is strict JSON
             raise InputError(f"--tolerance {tolerance!r}: expected a finite relative error >= 0, e.g. 0.01")
-        tol = {"model_state": float(tolerance), "phase_peak": max(float(tolerance), PHASE_PEAK_TOLERANCE)}
+        # a floor under each plan's phase-peak tolerance (zero_compare.phase_peak_tolerance), never tighter
+        tol = {"model_state": float(tolerance), "phase_peak": float(tolerance)}
     return tol
 
 

@@ -296,7 +296,7 @@ def _check(spec, n, run, per_rank, k, *, against_plan=True, **sched_kw):
 
     for ph, pm in plan.memory.phases.items():
         meas = max(r["phase_peaks"][ph]["peak"] for r in res)
-        assert abs(meas - pm.peak) <= phase_peak_tolerance(plan) * pm.peak, (stage, ph, meas, pm.peak)
+        assert abs(meas - pm.peak) <= phase_peak_tolerance(plan, ph) * pm.peak, (stage, ph, meas, pm.peak)
     return res
 
 

@@ -18,10 +18,10 @@ Memory is exact tensor-storage accounting on CPU (``runtime.memory.StorageTracke
 
 Phase-peak tolerance, from measurements (``examples/validation/phase-peaks/``: 256 runs of llama- and
 gpt2-shaped models of 0.16-0.2 M parameters, N = 2 and 4, fp32 and bf16, stages 0-3, grad_accum 1 and 2,
-reduce_bucket_size 3000 and the default 5e8, 2 x 16 and 4 x 64 tokens), set by how the plan knows the
-activations (``zero_compare.phase_peak_tolerance``): ``PHASE_PEAK_TOLERANCE_TRACED = 0.15`` where they are
-the transformers trace, ``PHASE_PEAK_TOLERANCE = 0.6`` where Korthikanti's formula (see the sweep's README
-for the ranges measured; step peaks agree within 0.2 % in every run, the plan taking the optimizer the
+reduce_bucket_size 3000 and the default 5e8, 2 x 16 and 4 x 64 tokens), set by how well the plan knows
+each phase (``zero_compare.phase_peak_tolerance``): ``PHASE_PEAK_TOLERANCE_TRACED = 0.15`` where the
+activations are the transformers trace, ``PHASE_PEAK_TOLERANCE = 0.6`` where Korthikanti's formula, the
+paper flavour, or stage 3's forward with gathered parameters (see the sweep's README for the ranges measured; step peaks agree within 0.2 % in every run, the plan taking the optimizer the
 engine runs, ``zero_predict.engine_optimizer_impl``). ``--tolerance`` is a floor under it.
 
 The work is split by concern and this module re-exports every name it had: ``zero_predict``

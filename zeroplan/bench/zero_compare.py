@@ -1,11 +1,15 @@
 """Predicted vs measured rows for ``bench zero``: collectives (exact), model states, phase peaks and
 their breakdown, step time; the tolerances (split out of ``bench/validate.py``).
 
-A phase peak is gated by how the plan knows its activations (``phase_peak_tolerance``), from the 256-run
+A phase peak is gated by how well the plan knows that phase (``phase_peak_tolerance``), from the 256-run
 sweep of the bundled engine against the plan (``examples/validation/phase-peaks/``):
-``PHASE_PEAK_TOLERANCE_TRACED`` where they come from the transformers trace (core/activation_data.json),
-``PHASE_PEAK_TOLERANCE`` where from Korthikanti's formula (a family or setting the trace does not cover,
-such as GPT-2 with its dropout)."""
+``PHASE_PEAK_TOLERANCE_TRACED`` where the activations come from the transformers trace
+(core/activation_data.json) and the phase is planned moment by moment; ``PHASE_PEAK_TOLERANCE`` where the
+activations come from Korthikanti's formula (a family or setting the trace does not cover, such as GPT-2
+with its dropout), for the ``paper`` flavour (an idealisation, not an engine's schedule), and for stage 3's
+forward when it gathers parameters (the gathered bytes are stacked on the whole forward's activations,
+where DeepSpeed's largest prefetch may come before any activation: 16% over on a 2-rank run whose whole
+model is one prefetch, tests/test_engine.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +22,14 @@ PHASE_PEAK_TOLERANCE = 0.6
 PHASE_PEAK_TOLERANCE_TRACED = 0.15
 
 
-def phase_peak_tolerance(plan: Any, floor: float = 0.0) -> float:
-    """The phase-peak tolerance for ``plan`` (module docstring), never below ``floor`` (``--tolerance``)."""
-    act = getattr(plan.memory, "activations_detail", None)
-    traced = str(getattr(act, "source", "")).startswith("transformers ")
-    return max(PHASE_PEAK_TOLERANCE_TRACED if traced else PHASE_PEAK_TOLERANCE, floor)
+def phase_peak_tolerance(plan: Any, phase: str = "backward", floor: float = 0.0) -> float:
+    """The tolerance for ``plan``'s ``phase`` peak (module docstring), never below ``floor`` (``--tolerance``)."""
+    mem = plan.memory
+    traced = str(getattr(mem.activations_detail, "source", "")).startswith("transformers ")
+    paper = getattr(plan.comm, "flavour", "deepspeed") == "paper"
+    stacked = phase == "forward" and plan.stage == 3 and mem.buffers_detail.get("gathered_params_forward", 0) > 0
+    known = traced and not paper and not stacked
+    return max(PHASE_PEAK_TOLERANCE_TRACED if known else PHASE_PEAK_TOLERANCE, floor)
 _STATES = ("params", "gradients", "optimizer_states")
 _CATS = ("params", "gradients", "optimizer_states", "buffers", "activations", "other")
 _PHASES = ("forward", "backward", "step")
@@ -50,8 +57,8 @@ def compare(plan: Any, measured: list[dict], *, model_state_tol: float = MODEL_S
             phase_tol: float | None = None, collective_tol: float = 0.0,
             include_host: bool = False, device: str = "cpu", hardware: Any = None) -> list[dict]:
     """Rows of predicted vs measured (``measured``: one dict per rank from ``measure_rank``). ``phase_tol``:
-    None for the plan's own (``phase_peak_tolerance``), else a floor under it."""
-    phase_tol = phase_peak_tolerance(plan, phase_tol or 0.0)
+    None for the plan's own per phase (``phase_peak_tolerance``), else a floor under it."""
+    floor = phase_tol or 0.0
     rows: list[dict] = []
     r0 = measured[0]
     # collectives: per (op, phase), counts and bytes per optimizer step
@@ -92,7 +99,7 @@ def compare(plan: Any, measured: list[dict], *, model_state_tol: float = MODEL_S
         if pp is None or not mpk:
             continue
         top = max(mpk, key=lambda x: x["peak"])
-        rows.append(_row("phase_peak", f"{ph} peak", pp.peak, top["peak"], phase_tol))
+        rows.append(_row("phase_peak", f"{ph} peak", pp.peak, top["peak"], phase_peak_tolerance(plan, ph, floor)))
         if top.get("reserved_peak") is not None:  # CUDA: the caching allocator's segments
             rows.append(_row("phase_peak", f"{ph} reserved peak", getattr(pp, "reserved", None),
                              top["reserved_peak"], None))

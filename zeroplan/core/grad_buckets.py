@@ -27,6 +27,8 @@ buffer (the whole parameters overlapping its partition) beside every gradient no
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from zeroplan.core.layout import Layout
 
 __all__ = ["ready_buckets", "lone_oversized", "scatter_temp_elements", "stage3_all_reduced",
@@ -95,22 +97,23 @@ def stage1_partition_copy_extra(layout: Layout, bucket_elems: int) -> int:
     its gradient partition buffer, less the gradients already moved into the bucket (freed) by the flush that
     allocates it; 0 where the buffer comes after more than its size has been moved (the backward's end, every
     gradient and the bucket, is then the larger moment). Over the distinct ranks' spans, not every rank."""
-    ranges = layout.bucket_ranges_12(bucket_elems, "forward")
-    moved, total = [], 0  # gradients moved into the bucket through each bucket's flush
-    pos, sizes = 0, []
+    key = ("stage1_partition_copy", bucket_elems)
+    if key in layout._memo:
+        return layout._memo[key]
+    starts = [lo for lo, _ in layout.bucket_ranges_12(bucket_elems, "forward")]
+    moved = [0] * len(starts)  # gradients moved into the bucket by each flush, then through each flush
+    pos = 0
     for t in layout.tensors:
-        sizes.append((pos, t.numel))
+        if t.numel <= bucket_elems:
+            moved[bisect_right(starts, pos) - 1] += t.numel
         pos += t.numel
-    for lo, hi in ranges:
-        total += sum(n for start, n in sizes if lo <= start < hi and n <= bucket_elems)
-        moved.append(total)
-    from bisect import bisect_right
-
-    starts = [lo for lo, _ in ranges]
+    for k in range(1, len(moved)):
+        moved[k] += moved[k - 1]
     best = 0
     for lo, hi in layout.grad_partition_spans_12:
         if lo >= layout.params:  # a partition of padding only: no parameter, no copy
             continue
         k = bisect_right(starts, lo) - 1
         best = max(best, (hi - lo) - moved[k])
+    layout._memo[key] = best
     return best

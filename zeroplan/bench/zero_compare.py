@@ -21,6 +21,10 @@ MODEL_STATE_TOLERANCE = 0.01
 PHASE_PEAK_TOLERANCE = 0.6
 PHASE_PEAK_TOLERANCE_TRACED = 0.15
 
+_STATES = ("params", "gradients", "optimizer_states")
+_CATS = ("params", "gradients", "optimizer_states", "buffers", "activations", "other")
+_PHASES = ("forward", "backward", "step")
+
 
 def phase_peak_tolerance(plan: Any, phase: str = "backward", floor: float = 0.0) -> float:
     """The tolerance for ``plan``'s ``phase`` peak (module docstring), never below ``floor`` (``--tolerance``)."""
@@ -30,9 +34,12 @@ def phase_peak_tolerance(plan: Any, phase: str = "backward", floor: float = 0.0)
     stacked = phase == "forward" and plan.stage == 3 and mem.buffers_detail.get("gathered_params_forward", 0) > 0
     known = traced and not paper and not stacked
     return max(PHASE_PEAK_TOLERANCE_TRACED if known else PHASE_PEAK_TOLERANCE, floor)
-_STATES = ("params", "gradients", "optimizer_states")
-_CATS = ("params", "gradients", "optimizer_states", "buffers", "activations", "other")
-_PHASES = ("forward", "backward", "step")
+
+
+def tolerances(override: dict[str, float] | None = None) -> dict[str, float | None]:
+    """A report's tolerances by kind, ``override`` (``--tolerance``) applied; ``phase_peak`` None: each plan's
+    own per phase (``phase_peak_tolerance``), shown per row."""
+    return {"collective": 0.0, "model_state": MODEL_STATE_TOLERANCE, "phase_peak": None, **(override or {})}
 
 
 def _row(kind: str, name: str, predicted: float | None, measured: float | None, tol: float | None) -> dict:

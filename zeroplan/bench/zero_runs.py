@@ -11,7 +11,7 @@ from typing import Any
 
 from zeroplan._util import InputError
 from zeroplan.bench.limits import check_rank_bytes, ranks_on_this_host
-from zeroplan.bench.zero_compare import MODEL_STATE_TOLERANCE, _row, compare
+from zeroplan.bench.zero_compare import _row, compare, tolerances
 from zeroplan.bench.zero_inputs import scale_buckets, user_zero_keys
 from zeroplan.bench.zero_measure import _group, _preload_dispatch, _rank_entry
 from zeroplan.bench.zero_predict import _zero_config, deepspeed_optimizer_impl, engine_optimizer_impl, predict
@@ -33,9 +33,7 @@ def run_bench_zero(spec: Any, stages: list[int], *, nproc: int, precision: str, 
     """
     from zeroplan.runtime.launch import RankError, join_torchrun, spawn, under_torchrun
 
-    # phase_peak None: each plan's own (zero_compare.phase_peak_tolerance), shown per row
-    tol = {"collective": 0.0, "model_state": MODEL_STATE_TOLERANCE, "phase_peak": None}
-    tol.update(tolerance or {})
+    tol = tolerances(tolerance)
     device = "cuda" if backend == "nccl" else "cpu"
     if device == "cuda" and not under_torchrun():
         import torch
@@ -166,9 +164,7 @@ def run_deepspeed_bench(spec: Any, ds_config: str, stages: list[int], *, nproc: 
     from zeroplan.bench.deepspeed_engine import run_deepspeed_steps, select_device, steps_identical
     from zeroplan.specs.deepspeed_config import load_ds_config
 
-    # phase_peak None: each plan's own (zero_compare.phase_peak_tolerance), shown per row
-    tol = {"collective": 0.0, "model_state": MODEL_STATE_TOLERANCE, "phase_peak": None}
-    tol.update(tolerance or {})
+    tol = tolerances(tolerance)
     ds = load_ds_config(ds_config, strict=True, micro_batch=micro_batch, grad_accum=grad_accum, world_size=nproc)
     stage = ds.zero.stage
     if stages and stages != [stage]:
@@ -242,9 +238,7 @@ def run_simulated_bench(spec: Any, stages: list[int], *, n: int, precision: str,
     """``bench zero --simulate``: per stage, trace one rank at world size ``n`` and compare with the plan."""
     from zeroplan.runtime.simulate import simulate_rank
 
-    # phase_peak None: each plan's own (zero_compare.phase_peak_tolerance), shown per row
-    tol = {"collective": 0.0, "model_state": MODEL_STATE_TOLERANCE, "phase_peak": None}
-    tol.update(tolerance or {})
+    tol = tolerances(tolerance)
     report: dict[str, Any] = {
         "simulated": True,
         "model": {"name": spec.name, "params": spec.params, "layers": spec.num_layers, "hidden": spec.hidden_size,

@@ -34,7 +34,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from zeroplan.core.grad_buckets import ready_buckets, stage3_all_reduced
+from zeroplan.core.grad_buckets import bucket_sizes, stage3_all_reduced
 from zeroplan.core.layout import Layout, ceil_div, greedy_buckets_after
 from zeroplan.core.stage3_fetch import stage3_gathers
 from zeroplan.core.stage3_live import replay_inputs
@@ -281,9 +281,9 @@ def _stage3_reduce_and_step(B: _Builder, layout: Layout, tl: Layout, training: T
     ``reduce_scatter`` off an all-reduce of a bucket that fits), the persistent gathers and the norm."""
     prec = training.precision
     gas, overlap, rbs, n = training.grad_accum, zero.overlap_comm, int(zero.reduce_bucket_size), tl.n
-    flushes, last = ready_buckets(tl, rbs)
+    buckets = bucket_sizes(tl, rbs)
     all_reduced = 0
-    for sizes in [f for f, _ in flushes] + ([last] if last else []):
+    for sizes in buckets:
         padded = sum(ceil_div(s_, n) * n for s_ in sizes)  # reduce_scatter_coalesced pads each gradient
         if ds and stage3_all_reduced(sizes, rbs, reduce_scatter=zero.reduce_scatter,
                                      contiguous=zero.contiguous_gradients):
@@ -299,7 +299,7 @@ def _stage3_reduce_and_step(B: _Builder, layout: Layout, tl: Layout, training: T
         else:
             B.add("reduce_scatter", "backward", "gradient bucket", padded * prec.comm_bytes, gas, prec.dtype, overlap)
     if all_reduced:
-        notes.append(f"reduce_scatter is off: {all_reduced} of {len(flushes) + 1} gradient buckets per micro-step "
+        notes.append(f"reduce_scatter is off: {all_reduced} of {len(buckets)} gradient buckets per micro-step "
                      "are all-reduced (twice a reduce-scatter's traffic)"
                      + (", which qgZ does not quantise" if zero.zero_quantized_gradients else ""))
     # stage3.py _post_step: `self.persistent_parameters[0].all_gather(self.persistent_parameters)`;

@@ -31,7 +31,7 @@ from bisect import bisect_right
 
 from zeroplan.core.layout import Layout
 
-__all__ = ["ready_buckets", "lone_oversized", "scatter_temp_elements", "stage3_all_reduced",
+__all__ = ["ready_buckets", "bucket_sizes", "lone_oversized", "scatter_temp_elements", "stage3_all_reduced",
            "stage3_flush_temp_elements", "stage1_partition_copy_extra"]
 
 
@@ -58,6 +58,12 @@ def ready_buckets(layout: Layout, bucket_elems: int) -> tuple[list[tuple[list[in
         total += t.numel
     layout._memo[key] = (flushes, cur)
     return flushes, cur
+
+
+def bucket_sizes(layout: Layout, bucket_elems: int) -> list[list[int]]:
+    """Every bucket's element counts in gradient-ready order (``ready_buckets`` without the layers)."""
+    flushes, last = ready_buckets(layout, bucket_elems)
+    return [sizes for sizes, _ in flushes] + ([last] if last else [])
 
 
 def lone_oversized(sizes: list[int], bucket_elems: int) -> int:

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from zeroplan.core.comm import STAGE0_BUCKET
 from zeroplan.core.cublas_workspace import CUBLAS_HANDLES_PER_STEP
-from zeroplan.core.grad_buckets import ready_buckets, stage3_flush_temp_elements
+from zeroplan.core.grad_buckets import bucket_sizes, stage3_flush_temp_elements
 from zeroplan.core.layout import Layout, Stage3Schedule, stage3_schedule
 from zeroplan.core.memory_states import optimizer_temp_bytes
 from zeroplan.specs.ds_schema import ZeroConfig
@@ -120,14 +120,14 @@ def _stage3(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, b_g: int, b_c: i
     if contiguous:
         d["ipg_bucket"] = b_g * rbs
     # stage3.py __reduce_and_partition_ipg_grads: reduce-scatter outputs on reduce_and_partition_stream
-    d["reduce_scatter_temp"] = b_c * min(rbs, layout.padded_total_3)
     if contiguous and not zero.reduce_scatter:
         # a bucket that fits is all-reduced in place; only a lone oversized gradient is still reduce-scattered
         # (core/grad_buckets.py): the largest copy is that of such a gradient, if any
-        flushes, last = ready_buckets(layout, rbs)
         d["reduce_scatter_temp"] = b_c * max(
-            stage3_flush_temp_elements(sizes, layout.n, rbs, reduce_scatter=False, contiguous=True)
-            for sizes in [f for f, _ in flushes] + [last])
+            (stage3_flush_temp_elements(sizes, layout.n, rbs, reduce_scatter=False, contiguous=True)
+             for sizes in bucket_sizes(layout, rbs)), default=0)
+    else:
+        d["reduce_scatter_temp"] = b_c * min(rbs, layout.padded_total_3)
     max_live = int(zero.max_live_parameters)
     # frozen parameters are partitioned and gathered like any other (core/finetune.py); kept on the
     # layout (never mutated) per knob setting: recommend's search plans one layout at many points

@@ -132,7 +132,8 @@ def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: 
     ``keep_oversized``: stage 1 reducing in the hooks as stage 2 (core/memory_states.py
     ``stage1_reduces_in_hooks``), which never clears a reduced gradient, so a lone gradient larger than the
     bucket stays autograd's to the epilogue's ``_clear_param_grad_only``); ``reduce_scatter``: DeepSpeed's
-    switch (off, stage 3 all-reduces a bucket that fits in place: core/grad_buckets.py)."""
+    switch (off, stage 3 all-reduces a bucket that fits in place and post-scales it into a copy:
+    core/grad_buckets.py)."""
     held = pb.held.get("backward", 0)
     ipg = pb.detail.get("ipg_bucket", 0)
     hg = head_gradients(layout)
@@ -288,8 +289,8 @@ def _embedding_moments(hg: HeadGradients, b_p: int, flush: tuple[int, int] | Non
 def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, bucket_elems: int, grads_end: int,
             gathered: BackwardGathered, reduce_scatter: bool = True) -> list[BackwardMoment]:
     """Stage 3 (DeepSpeed 0.19.8 ``stage3.py``): the ipg bucket lives from ``__init__``; each flush
-    (``__reduce_and_partition_ipg_grads``) makes the reduce-scatter's interleaved copy of the bucket (none
-    where ``reduce_scatter`` is off and the bucket fits: all-reduced in place, core/grad_buckets.py)
+    (``__reduce_and_partition_ipg_grads``) makes the reduce-scatter's interleaved copy of the bucket (where
+    ``reduce_scatter`` is off and the bucket fits: the all-reduced bucket's post-scaled copy, core/grad_buckets.py)
     inside the backward of the layer whose gradient would overflow it; the gathered parameters are
     what the coordinator holds then (core/stage3_live.py). A layer's moment is kept only where its
     buffers exceed every layer's above it (those stack on more activations)."""

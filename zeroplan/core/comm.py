@@ -288,7 +288,7 @@ def _stage3_reduce_and_step(B: _Builder, layout: Layout, tl: Layout, training: T
         if ds and stage3_all_reduced(sizes, rbs, reduce_scatter=zero.reduce_scatter,
                                      contiguous=zero.contiguous_gradients):
             all_reduced += 1
-            B.add("all_reduce", "backward", "gradient bucket (reduce_scatter off: all-reduced in place)",
+            B.add("all_reduce", "backward", "gradient bucket (reduce_scatter off: all-reduced)",
                   sum(sizes) * prec.comm_bytes, gas, prec.dtype, overlap)
         elif zero.zero_quantized_gradients and B.nodes > 1:
             int4 = ceil_div(padded, 2)

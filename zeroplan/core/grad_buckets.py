@@ -11,8 +11,9 @@ only while ``bucket.elements + numel <= reduce_bucket_size``).
 Reducing a stage-3 bucket (``__reduce_and_partition_ipg_grads``), two ways:
 - with ``contiguous_gradients`` and ``reduce_scatter: false`` (the ZeRO++ tutorial's config), a bucket
   that fits the buffer is all-reduced in place (``__avg_scatter_contiguous_grads``): its unpadded
-  elements, no copy, and each rank then takes its slice. An all-reduce moves twice a reduce-scatter's
-  bytes, and qgZ (which replaces only the reduce-scatter) does not apply to it;
+  elements, no padding; then it is post-scaled out of place (a copy of the bucket, on more than one rank)
+  and each rank takes its slice of that copy. An all-reduce moves twice a reduce-scatter's bytes, and qgZ
+  (which replaces only the reduce-scatter) does not apply to it;
 - otherwise ``__avg_scatter_grads``: ``reduce_scatter_coalesced`` pads each gradient to a multiple of
   the world size and interleaves them in one copy (none for a lone gradient that divides evenly), or
   qgZ's ``all_to_all_quant_reduce`` across nodes.
@@ -90,11 +91,20 @@ def stage3_all_reduced(sizes: list[int], bucket_elems: int, *, reduce_scatter: b
 
 def stage3_flush_temp_elements(sizes: list[int], n: int, bucket_elems: int, *, reduce_scatter: bool,
                                contiguous: bool) -> int:
-    """Elements of the copy a stage-3 flush makes of its bucket: none for the in-place all-reduce (the
-    communication dtype is the gradients' in every plan zeroplan makes), else the reduce-scatter's
-    interleaved copy."""
+    """Elements of the copy a stage-3 flush makes of its bucket (in the communication dtype, the gradients'
+    in every plan zeroplan makes).
+
+    - All-reduced (``reduce_scatter`` off, a bucket that fits): the all-reduce runs in place in the ipg
+      buffer, but ``__avg_scatter_contiguous_grads`` then post-scales it out of place,
+      ``buffer.mul(gradient_predivide_factor)``, whenever that factor (1.0 by default) is not the averaging
+      world size: a copy of the whole bucket, which the rank's partitions are views of until they are
+      copied into the gradient partition. None on one rank. Measured on real DeepSpeed 0.19.8 (6 ranks,
+      ``examples/validation/cpu-replay/peak-live-stage3-rsoff-*.json``): every such flush raised the live
+      bytes by exactly twice its elements in bf16. ``prescale_gradients: true`` or a predivide factor equal
+      to the world size would skip it; zeroplan plans DeepSpeed's defaults.
+    - Reduce-scattered: ``reduce_scatter_coalesced``'s interleaved copy (``scatter_temp_elements``)."""
     if stage3_all_reduced(sizes, bucket_elems, reduce_scatter=reduce_scatter, contiguous=contiguous):
-        return 0
+        return sum(sizes) if n > 1 else 0
     return scatter_temp_elements(sizes, n)
 
 

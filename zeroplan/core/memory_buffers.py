@@ -121,8 +121,8 @@ def _stage3(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, b_g: int, b_c: i
         d["ipg_bucket"] = b_g * rbs
     # stage3.py __reduce_and_partition_ipg_grads: reduce-scatter outputs on reduce_and_partition_stream
     if contiguous and not zero.reduce_scatter:
-        # a bucket that fits is all-reduced in place; only a lone oversized gradient is still reduce-scattered
-        # (core/grad_buckets.py): the largest copy is that of such a gradient, if any
+        # a bucket that fits is all-reduced in place, then post-scaled into a copy; only a lone oversized
+        # gradient is still reduce-scattered (core/grad_buckets.py): the largest of those copies
         d["reduce_scatter_temp"] = b_c * max(
             (stage3_flush_temp_elements(sizes, layout.n, rbs, reduce_scatter=False, contiguous=True)
              for sizes in bucket_sizes(layout, rbs)), default=0)

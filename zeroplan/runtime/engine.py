@@ -51,7 +51,8 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
   bucket as it arrives (a lone gradient larger than the bucket stays autograd's), then the bucket
   is reduce-scattered as ``reduce_scatter_coalesced`` does it (padded, interleaved per rank in one
   copy, none for a lone gradient that divides evenly; in place) or, with ``reduce_scatter`` off, a
-  bucket in the ipg buffer is all-reduced there in place. After the step: one all-gather per
+  bucket in the ipg buffer is all-reduced there in place and post-scaled into a copy (on N > 1). A bucket
+  is reduced in the hook of the gradient that would overflow it, the last one after the backward. After the step: one all-gather per
   persistent param, in place, and the norm all-reduce (8-byte fp64; 4-byte fp32 with offload).
 - Frozen parameters (``requires_grad`` False; runtime/lora.py): stages 0-2 leave them whole on
   every rank, outside the flat buffers, buckets and optimizer; stage 3 partitions and gathers

@@ -240,8 +240,10 @@ class Stage3Gather:
 
     def _flush_bucket(self, k: int) -> None:
         """Bucket k reduced into the gradient partition (``__reduce_and_partition_ipg_grads``): with
-        ``reduce_scatter`` off, a bucket in the ipg buffer is all-reduced there in place and each rank takes
-        its slices (``__avg_scatter_contiguous_grads``); otherwise reduce-scattered as
+        ``reduce_scatter`` off, a bucket in the ipg buffer is all-reduced there in place, then multiplied by
+        ``gradient_predivide_factor`` out of place (``__avg_scatter_contiguous_grads``: ``buffer.mul(1.0)``
+        whenever that factor is not the world size, so a copy of the bucket), and each rank takes its slices of
+        the copy; otherwise reduce-scattered as
         ``reduce_scatter_coalesced`` does it."""
         _, _, ps = self.buckets[k]
         in_ipg = self.contiguous and self._bucket_total[k] <= self.rbs
@@ -255,7 +257,14 @@ class Stage3Gather:
                 buf = self.ipg[0][:pos]
                 buf.div_(self.n)
                 self.comm.all_reduce(buf)
-                mine = [g[self.rank * self.chunk[i]:(self.rank + 1) * self.chunk[i]] for g, i in zip(grads, ps)]
+                if self.n > 1:  # postscale by gradient_predivide_factor (1.0 != N): out of place, a bucket-sized copy
+                    buf = self._tag(buf.mul(1.0), "buffers")
+                mine, at = [], 0
+                for i in ps:
+                    lo, hi = (min(r * self.chunk[i], self.numels[i]) for r in (self.rank, self.rank + 1))
+                    mine.append(buf[at + lo:at + hi])
+                    at += self.numels[i]
+                del buf
             else:
                 mine = self._reduce_scatter_coalesced(grads, ps)
             del grads

@@ -16,6 +16,11 @@ from zeroplan.runtime.engine_util import ceil_div, greedy_buckets
 class Stage3Strategy(Stage3Gather, GradHooks, StageStrategy):
     """Stage 3: partitions, schedule and optimizer step; gathering and reduce-scatter in ``Stage3Gather``."""
 
+    # stage3.py reduce_independent_p_g_buckets_and_remove_grads: a bucket is reduced in the hook of the
+    # gradient that would overflow it, and the last one by the epilogue (independent_gradient_partition_
+    # epilogue, from the engine's allreduce_gradients), before backward_epilogue releases what is still gathered
+    flush_in_next_hook = True
+
     def setup(self) -> None:
         """Per-parameter partitions, fetch units, prefetch chunks, use-site hooks, buckets."""
         self._setup3_partitions()
@@ -174,6 +179,7 @@ class Stage3Strategy(Stage3Gather, GradHooks, StageStrategy):
     def after_backward(self) -> None:
         if self._ptr != len(self._order):
             raise RuntimeError("stage 3: some parameters received no gradient in backward")
+        self._flush_last_bucket()
         self._release([i for i in range(len(self.params)) if self.live[i]])
 
     def step(self) -> None:

@@ -16,6 +16,9 @@ fake group every rank runs alone, so any one can be), and ``--zero`` adds keys t
 block (JSON), so a run can put a bucket inside one rank's partition or make a parameter outgrow it;
 ``--phase`` takes the peak within one phase (forward, backward or step) instead of the whole step, and
 ``--grad-accum`` runs G micro-steps per optimizer step (the report says which micro-step peaked).
+``bucket_flushes`` lists every gradient-bucket reduction of the measured backward: for stages 1-2 its
+elements and the bytes each flatten copied; for stage 3 how it was reduced (all-reduce or reduce-scatter),
+its elements, and the live bytes when it began and the most while it ran.
 """
 
 from __future__ import annotations
@@ -73,6 +76,31 @@ def _record_flushes(optimizer, flushes: list, active) -> None:
     optimizer.reduce_ipg_grads, optimizer.flatten = _reduce, _flatten
 
 
+def _record_stage3_flushes(optimizer, flushes: list, active, live_total) -> None:
+    """Stage 3: per bucket reduction while ``active()``, how it was reduced (``all_reduce``: a bucket that fits,
+    all-reduced in place in the flat buffer when ``reduce_scatter`` is off; ``reduce_scatter``:
+    ``reduce_scatter_coalesced`` of the bucket's gradients), its elements, and the live bytes when it began
+    and the most while it ran (its copies included): ``stage3.py __reduce_and_partition_ipg_grads``."""
+    cls = "_DeepSpeedZeroOptimizer_Stage3"
+    contiguous, scatter = (getattr(optimizer, f"{cls}__avg_scatter{k}_grads") for k in ("_contiguous", ""))
+
+    def _wrap(fn, kind, elements):
+        def run(first, *args, **kwargs):
+            if not active():
+                return fn(first, *args, **kwargs)
+            rec = {"kind": kind, "elements": elements(first), "live_before": live_total(), "peak": live_total()}
+            flushes.append(rec)
+            try:
+                return fn(first, *args, **kwargs)
+            finally:
+                rec["open"] = False
+        return run
+
+    setattr(optimizer, f"{cls}__avg_scatter_contiguous_grads", _wrap(contiguous, "all_reduce", lambda b: b.numel()))
+    setattr(optimizer, f"{cls}__avg_scatter_grads",
+            _wrap(scatter, "reduce_scatter", lambda ps: sum(p.grad.numel() for p in ps)))
+
+
 def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b", world: int = 8,
          zero: dict | None = None, phase: str | None = None, rank: int = 0, grad_accum: int = 1) -> None:
     import deepspeed
@@ -90,6 +118,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
     tr = StorageTracker()
     origin: dict[int, tuple[str, list[str]]] = {}
     best: dict = {"total": 0, "live": []}
+    flushes: list = []
     measuring = [False]
     engine = None
 
@@ -104,6 +133,8 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
 
     def _add(category, host, nbytes, _o=add):
         _o(category, host, nbytes)
+        if flushes and flushes[-1].get("open", True) and "peak" in flushes[-1]:
+            flushes[-1]["peak"] = max(flushes[-1]["peak"], tr.ledger.total)
         if measuring[0] and (phase is None or tr.phase == phase) and tr.ledger.total > best["total"]:
             best["total"] = tr.ledger.total
             if nbytes > MIB:  # a large allocation raised the peak: record what lives beside it
@@ -117,7 +148,9 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
         model = build_model(spec, "fp32", "cpu", seed=0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
-        flushes: list = []
+        if stage == 3:
+            _record_stage3_flushes(engine.optimizer, flushes, lambda: measuring[0] and tr.phase == "backward",
+                                   lambda: tr.ledger.total)
         if stage in (1, 2):
             _record_flushes(engine.optimizer, flushes, lambda: measuring[0] and tr.phase == "backward")
         for step in range(2):
@@ -149,7 +182,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
         "live_over_1_MiB": live,
     }
     if flushes:
-        report["bucket_flushes"] = [f for f in flushes if f["elements"]]
+        report["bucket_flushes"] = [{k: v for k, v in f.items() if k != "open"} for f in flushes if f["elements"]]
     with open(out + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
     os.replace(out + ".tmp", out)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from zeroplan.core.memory import grads_from_autograd
 from zeroplan.core.plan import evaluate
 from zeroplan.specs.deepspeed_config import load_ds_config
 from zeroplan.specs.hardware import load_profile
@@ -180,8 +181,7 @@ def _ratio(case: dict, plan: object, f: float, old: bool = False) -> float:
     live = {p: m.phases[p].peak for p in ("forward", "backward", "step")}
     if phase != "step":
         live = {phase: live[phase]}
-    pinned = m.optimizer_wrapper in ("fp16_optimizer", "basic", "unsupported") or (
-        m.optimizer_wrapper == "zero" and case["setup"]["stage"] == 1)
+    pinned = grads_from_autograd(m.optimizer_wrapper, case["setup"]["stage"])
     held = None if old else {p: m.held_bytes[p] for p in live}
     need = required_bytes(live, {}, fragmentation_fraction=f, step_transient=m.step_transient_bytes if phase == "step" else 0,
                           step_pinned=pinned and phase == "step", held_by_phase=held)

@@ -215,7 +215,8 @@ def step_reads_autograd(training: TrainingSetup, zero: ZeroConfig, *, flavour: s
 def grads_from_autograd(wrapper: str, stage: int) -> bool:
     """Whether the step reads autograd's ``p.grad`` kept from backward (FP16_Optimizer / no wrapper,
     ZeRO stage 1) rather than a buffer DeepSpeed allocates once: core/allocator.py ``step_pinned``."""
-    return wrapper in ("fp16_optimizer", "basic", "unsupported") or (wrapper == "zero" and stage == 1)
+    return wrapper in ("fp16_optimizer", "fp16_unfused_optimizer", "basic", "unsupported") or (
+        wrapper == "zero" and stage == 1)
 
 
 def held_bytes(phases: dict[str, PhaseMemory], held_buffers: dict[str, int], step_pinned: bool,

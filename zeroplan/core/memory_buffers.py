@@ -219,8 +219,9 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Training
     whole-model fp32 gradients through the step (bf16_optimizer.py ``step``). Stage 3 (stage3.py
     ``_prepare_fp32_grad_for_sub_group``) casts per sub-group while the gradient partition buffer
     stays allocated. Stage 0 (FP16_Optimizer ``step``) casts every gradient into one fp32 flat
-    gradient (the casts and the flat copy coexist); fp32 without ZeRO steps the parameters' own
-    gradients in place.
+    gradient (the casts and the flat copy coexist); FP16_UnfusedOptimizer casts each into its fp32
+    copy's ``.grad`` and keeps the 16-bit gradients through the step; fp32 without ZeRO steps the
+    parameters' own gradients in place.
     """
     d = pb.detail
     if stage == 3:
@@ -245,6 +246,14 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Training
         pb.step_grads = grad_end
         d["step_fp32_grad"] = cast
         pb.step_transient = max(cast, 4 * group + temps)
+    elif stage == 0 and wrapper == "fp16_unfused_optimizer":
+        # fp16/unfused_optimizer.py FP16_UnfusedOptimizer.step: fp32_param.grad = fp16_param.grad.to(fp32) for
+        # every parameter, then the inner optimizer's step; the 16-bit gradients stay until zero_grad.
+        # Measured on real DeepSpeed 0.19.8 (examples/validation/cpu-replay/peak-live-stage0-*.json): the
+        # step's peak is the 16-bit gradients beside every fp32 one
+        pb.step_grads = grad_end
+        d["step_fp32_grad"] = 4 * group
+        pb.step_transient = 4 * group + temps
     elif stage == 0 and training.precision.mixed:
         # fp16/fused_optimizer.py FP16_Optimizer.step: _flatten_dense_tensors([p.grad.to(fp32) ...]):
         # the per-parameter fp32 casts and the flat copy coexist beside the 16-bit gradients,
@@ -283,8 +292,12 @@ def phase_buffers(layout: Layout, training: TrainingSetup, zero: ZeroConfig, sta
     if off_opt != "none" and stage in (1, 2):
         pb.detail["offload_gpu_temp_grad"] = b_g * layout.largest_tensor
     if stage == 0:
-        # stage 0 buckets are DeepSpeed's constant 5e8 elements, not reduce_bucket_size
-        pb.detail["allreduce_flatten"] = b_c * min(STAGE0_BUCKET, layout.params)
+        # stage 0 buckets are DeepSpeed's constant 5e8 elements, not reduce_bucket_size, and a bucket is
+        # flushed once it has gone over (engine.py allreduce_no_retain: add, then flush when numel >
+        # numel_per_bucket), so the largest flatten copy can exceed 5e8 elements by a tensor: measured on
+        # real DeepSpeed 0.19.8 (examples/validation/cpu-replay/peak-live-stage0-*.json), 535,838,720
+        pb.detail["allreduce_flatten"] = b_c * max(layout.grad_buckets(STAGE0_BUCKET, order="forward", flush="after"),
+                                                   default=0)
         pb.backward += pb.detail["allreduce_flatten"]
     elif stage in (1, 2):
         _stage12(pb, layout, zero, training, stage, b_g, b_c, contiguous, off_opt)

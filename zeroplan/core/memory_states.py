@@ -11,7 +11,10 @@ Which optimizer wrapper DeepSpeed builds decides what is kept (deepspeed/runtime
       (``_fill_param_grad_accum_attribute``; stage 2's ``_build_compact_grad_partition_buffer``)
   ZeRO stage 3 -> DeepSpeedZeroOptimizer_Stage3: the gradient partition buffer
       ``grad_partitions_flat_buffer`` has ``gradient_accumulation_dtype`` (stage3.py ``__init__``)
-  no ZeRO, fp16 or bf16 (same accumulation dtype) -> FP16_Optimizer: fp32 master of the whole model
+  no ZeRO, fp16 or bf16 (same accumulation dtype) -> FP16_Optimizer when the optimizer is DeepSpeed's
+      FusedAdam (an Adam/AdamW ``optimizer`` block on CUDA), else FP16_UnfusedOptimizer (a client
+      optimizer such as the HF Trainer's torch AdamW, ``torch_adam``): fp32 master of the whole model
+      either way (engine.py ``_configure_fp16_optimizer``: ``isinstance(optimizer, fused_opts)``)
   no ZeRO, fp32 -> the basic optimizer alone: no fp32 master (16 B/param for Adam, not 20)
   no ZeRO, accumulation dtype != model dtype -> DeepSpeed raises NotImplementedError
 
@@ -37,7 +40,8 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class StatePlan:
     """What DeepSpeed keeps per parameter, for one stage and training setup."""
 
-    wrapper: str  # "zero" | "bf16_optimizer" | "fp16_optimizer" | "basic" | "unsupported"
+    # "zero" | "bf16_optimizer" | "fp16_optimizer" | "fp16_unfused_optimizer" | "basic" | "unsupported"
+    wrapper: str
     master_bytes: int  # fp32 master copy per parameter (0 when the optimizer updates the params directly)
     grad_bytes: int  # the gradient buffer's bytes per element (the accumulation dtype)
     whole_model_grads: bool  # the gradient buffer spans the whole model (BF16_Optimizer, stage 0/1)
@@ -85,7 +89,8 @@ def state_plan(training: TrainingSetup, stage: int, *, offload: bool = False, fl
     if model == "fp32":
         # no wrapper: the basic optimizer steps the fp32 parameters themselves
         return StatePlan("basic", 0, 4, True)
-    return StatePlan("fp16_optimizer", prec.master_bytes, prec.grad_bytes, True)
+    fused = training.optimizer_impl == "fused-adam" and training.optimizer.name in ("adam", "adamw")
+    return StatePlan("fp16_optimizer" if fused else "fp16_unfused_optimizer", prec.master_bytes, prec.grad_bytes, True)
 
 
 def model_state_bytes(layout: Layout, training: TrainingSetup, stage: int, *, offload: bool = False,

@@ -12,11 +12,13 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
   the planner's 20-byte baseline; DeepSpeed's stage 0 in fp32 has no separate master) — and
   AdamW m, v in fp32: ``optimizer_states`` = 12 bytes per owned element (stage 0: Ψ; stages
   1-2: Ψ₁₂/N; stage 3: Σ⌈numel/N⌉).
-- stage 0: flat Ψ-element params and gradients (gradients from the first backward of a step
-  until after the step). At the boundary the gradients are all-reduced in DeepSpeed's
-  stage-0 buckets: forward order, a constant 5e8 elements, flushed after adding once over
-  (``paper``: reduce_bucket_size, reverse order, flushed before overflowing); each bucket is
-  flattened (a bucket-sized copy). fp32: one 4-byte norm all-reduce after the step.
+- stage 0: flat Ψ-element params; autograd's own per-parameter gradients, from the backward that
+  reaches each until the step's ``zero_grad``. At the boundary the gradients are all-reduced in
+  DeepSpeed's stage-0 buckets: forward order, a constant 5e8 elements, flushed after adding once
+  over (``paper``: reduce_bucket_size, reverse order, flushed before overflowing); each bucket is
+  flattened (a bucket-sized copy; a lone tensor is reduced in place). The step casts them into one
+  fp32 vector (bf16/fp16: beside the 16-bit gradients, as FP16_UnfusedOptimizer). fp32: one
+  4-byte norm all-reduce after the step.
 - stages 1-2: one flat bit16 buffer padded to Ψ₁₂ = ⌈Ψ/2N⌉·2N; rank r owns
   [r·Ψ₁₂/N, (r+1)·Ψ₁₂/N). Buckets of ``reduce_bucket_size`` elements, flushed before
   overflowing, in forward order for stage 1 without ``overlap_comm`` and gradient-ready order

@@ -3,6 +3,8 @@ coordinates, the flat gradient buffer (``runtime/engine.py``'s docstring describ
 
 from __future__ import annotations
 
+from typing import Any
+
 from zeroplan.runtime.engine_strategy import StageStrategy
 from zeroplan.runtime.engine_util import STAGE0_BUCKET_ELEMS, greedy_buckets, greedy_buckets_after
 
@@ -53,7 +55,13 @@ class FlatLayout:
 
 
 class Stage0Strategy(FlatLayout, StageStrategy):
-    """Stage 0: every rank holds everything; the gradients are all-reduced once per optimizer step."""
+    """Stage 0: every rank holds everything; the gradients are all-reduced once per optimizer step.
+
+    As DeepSpeed 0.19.8 without ZeRO: autograd allocates each ``p.grad`` as the backward reaches it (no
+    flat gradient buffer: the head's backward runs with no gradient allocated, measured on real DeepSpeed,
+    examples/validation/cpu-replay/peak-live-stage0-*.json); ``buffered_allreduce_fallback`` all-reduces
+    them in buckets of the parameters that have one, each flattened into a copy (a lone tensor is a view:
+    torch's ``flatten_dense_tensors``) and copied back; the step reads them and ``zero_grad`` frees them."""
 
     def setup(self) -> None:
         self._flatten_params(self.psi, zero=False)
@@ -73,23 +81,57 @@ class Stage0Strategy(FlatLayout, StageStrategy):
             self.buckets = self._flat_buckets("reverse", self.rbs)
 
     def before_backward(self) -> None:
-        self._attach_flat_grads(self.psi)
+        pass  # autograd allocates (or, after the first micro-step, accumulates into) each p.grad
+
+    def after_backward(self) -> None:
+        # the gradients' bytes for the model-state figures: autograd's, not a tagged buffer
+        self._accum_bytes = max(getattr(self, "_accum_bytes", 0), sum(
+            p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None))
+
+    def accumulated_grad_bytes(self) -> int:
+        return getattr(self, "_accum_bytes", 0)
 
     def boundary(self) -> None:
-        """The flat gradients all-reduced bucket by bucket, each through a flatten copy."""
-        with self.torch.no_grad():
-            for lo, hi, _ in self.buckets:
-                flat = self._tag(self.flat_grad[lo:hi].clone(), "buffers")  # flatten copy
+        """Each bucket's gradients flattened into one copy (none for a lone tensor), all-reduced, averaged
+        and copied back (engine.py ``allreduce_and_copy``)."""
+        torch = self.torch
+        with torch.no_grad():
+            for _, _, ps in self.buckets:
+                grads = [self.params[i].grad for i in ps if self.params[i].grad is not None]
+                if not grads:
+                    continue
+                if len(grads) == 1:
+                    flat = grads[0].view(-1)
+                else:
+                    flat = self._tag(torch.cat([g.reshape(-1) for g in grads]), "buffers")  # flatten copy
                 self.comm.all_reduce(flat)
                 flat.div_(self.n)
-                self.flat_grad[lo:hi].copy_(flat)
-                del flat
+                if len(grads) > 1:
+                    at = 0
+                    for g in grads:
+                        g.copy_(flat[at:at + g.numel()].view_as(g))
+                        at += g.numel()
+                del flat, grads
+
+    def _fp32_grads(self) -> Any:
+        """The gradients as one fp32 vector for the flat AdamW. bf16/fp16 (FP16_UnfusedOptimizer.step): each
+        cast to fp32 beside its 16-bit gradient, which stays until ``zero_grad``. fp32 (no wrapper: Adam
+        steps the parameters' own gradients): moved into the vector one by one, each freed once moved, so
+        the step holds Ψ gradient elements as DeepSpeed does (plus one tensor for a moment)."""
+        torch = self.torch
+        g32 = self._empty(self.psi, "buffers", dtype=torch.float32, zero=True)
+        with torch.no_grad():
+            for p, off, n in zip(self.params, self.offsets, self.numels):
+                if p.grad is not None:
+                    g32[off:off + n].copy_(p.grad.reshape(-1))
+                    if not self.mixed:
+                        p.grad = None
+        return g32
 
     def step(self) -> None:
         """AdamW over the whole flat buffer (fp32 DeepSpeed: then the norm all-reduce)."""
         torch = self.torch
-        g = self.flat_grad
-        g32 = self._tag(g.float(), "buffers") if g.dtype != torch.float32 else g
+        g32 = self._fp32_grads()
         self._norm_sq = torch.dot(g32.reshape(-1), g32.reshape(-1)).to(torch.float64)
         self._adamw(self.master, self.m, self.v, g32)
         del g32

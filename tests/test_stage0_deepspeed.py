@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from zeroplan.bench.validate import predict, scaled_spec
+from zeroplan.core.grad_buckets import stage0_flatten_elements
+from zeroplan.core.layout import Layout, Tensor
 from zeroplan.specs.deepspeed_config import load_ds_config
 from zeroplan.specs.model import load_model
 
@@ -83,3 +85,14 @@ def test_the_bundled_stage0_engine_holds_what_deepspeed_held(name):
                         seq_len=inp["seq_len"], rank=inp["rank"])
     assert 0 <= rep["peak_bytes"] - got["phase_peaks"]["backward"]["peak"] <= 100
     assert abs(_plan(rep, spec, zero).memory.phases["backward"].peak / rep["peak_bytes"] - 1) < 0.002
+
+
+def test_a_lone_tensor_bucket_is_reduced_in_place():
+    """allreduce_no_retain adds, then flushes over the bucket size; a bucket of one tensor is flattened to a
+    view (flatten_dense_tensors), so only buckets of two or more tensors are copied."""
+    def lay(*sizes):
+        return Layout(params=sum(sizes), n=1, tensors=[Tensor(f"t{i}", "m", k, 0) for i, k in enumerate(sizes)])
+
+    assert stage0_flatten_elements(lay(40, 70, 30), 100) == 110  # 40 + 70 goes over: flushed with both
+    assert stage0_flatten_elements(lay(150, 30, 20), 100) == 50  # 150 alone (a view), then 30 + 20 at the end
+    assert stage0_flatten_elements(lay(150), 100) == 0

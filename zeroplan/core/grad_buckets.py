@@ -33,7 +33,7 @@ from bisect import bisect_right
 from zeroplan.core.layout import Layout
 
 __all__ = ["ready_buckets", "bucket_sizes", "lone_oversized", "scatter_temp_elements", "stage3_all_reduced",
-           "stage3_flush_temp_elements", "stage1_partition_copy_extra"]
+           "stage3_flush_temp_elements", "stage1_partition_copy_extra", "stage0_flatten_elements"]
 
 
 def ready_buckets(layout: Layout, bucket_elems: int) -> tuple[list[tuple[list[int], int]], list[int]]:
@@ -133,3 +133,21 @@ def stage1_partition_copy_extra(layout: Layout, bucket_elems: int) -> int:
         best = max(best, (hi - lo) - moved[k])
     layout._memo[key] = best
     return best
+
+
+def stage0_flatten_elements(layout: Layout, bucket_elems: int) -> int:
+    """Elements of the largest copy stage 0's gradient all-reduce makes (engine.py ``allreduce_no_retain``:
+    the gradients in parameter order, a tensor added before the bucket is flushed once it is over
+    ``bucket_elems``; ``allreduce_bucket`` flattens the bucket, and torch's ``flatten_dense_tensors``
+    returns a lone tensor as a view, so a bucket of one tensor is reduced in place)."""
+    key = ("stage0_flatten", bucket_elems)
+    if key not in layout._memo:
+        best = count = total = 0
+        for t in layout.tensors:
+            count, total = count + 1, total + t.numel
+            if total > bucket_elems:
+                best = max(best, total if count > 1 else 0)
+                count = total = 0
+        layout._memo[key] = max(best, total if count > 1 else 0)
+    return layout._memo[key]
+

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from zeroplan.core.comm import STAGE0_BUCKET
 from zeroplan.core.cublas_workspace import CUBLAS_HANDLES_PER_STEP
-from zeroplan.core.grad_buckets import bucket_sizes, stage3_flush_temp_elements
+from zeroplan.core.grad_buckets import bucket_sizes, stage0_flatten_elements, stage3_flush_temp_elements
 from zeroplan.core.layout import Layout, Stage3Schedule, stage3_schedule
 from zeroplan.core.memory_states import optimizer_temp_bytes
 from zeroplan.specs.ds_schema import ZeroConfig
@@ -296,8 +296,7 @@ def phase_buffers(layout: Layout, training: TrainingSetup, zero: ZeroConfig, sta
         # flushed once it has gone over (engine.py allreduce_no_retain: add, then flush when numel >
         # numel_per_bucket), so the largest flatten copy can exceed 5e8 elements by a tensor: measured on
         # real DeepSpeed 0.19.8 (examples/validation/cpu-replay/peak-live-stage0-*.json), 535,838,720
-        pb.detail["allreduce_flatten"] = b_c * max(layout.grad_buckets(STAGE0_BUCKET, order="forward", flush="after"),
-                                                   default=0)
+        pb.detail["allreduce_flatten"] = b_c * stage0_flatten_elements(layout, STAGE0_BUCKET)
         pb.backward += pb.detail["allreduce_flatten"]
     elif stage in (1, 2):
         _stage12(pb, layout, zero, training, stage, b_g, b_c, contiguous, off_opt)

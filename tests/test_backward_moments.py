@@ -215,6 +215,16 @@ def test_reduce_scatter_off_flushes_copy_what_real_deepspeed_copies():
     plan = predict(spec, zero, precision="bf16", micro_batch=1, seq_len=512, n=6, grad_accum=1)
     assert _winner(plan).side["reduce_scatter"] in {c for k, _, c in planned if k == "reduce_scatter"}
     assert -0.008 < plan.memory.allocated / rep["peak_bytes"] - 1 < 0
+    # the last two flushes (the embedding's hook flushing layer 0's last bucket, and the epilogue's
+    # reduce-scatter of the embedding) against the plan's moments there: only the embedding is still
+    # gathered, not the flat buffer its coalesced re-gather was copied out of (4 KB: tensors under 1 MiB)
+    m = plan.memory
+    grads_fwd = m.phases["forward"].by_category["gradients"]
+    at = {mo.what: m.params + m.optimizer_states + mo.buffers + max(grads_fwd, mo.gradients) + mo.autograd
+          for mo in m.backward_moments if mo.activations == "none"}
+    for what, f in zip(("embedding's gradient hook (bucket flush)", "backward end (epilogue flush)"),
+                       rep["bucket_flushes"][-2:]):
+        assert 0 <= f["peak"] - at[what] < 8192, (what, f["peak"] - at[what])
 
 
 @pytest.mark.parametrize("name", ["peak-live-stage3-b1-s512.json", "peak-live-stage3-b4-s2048.json",

@@ -333,11 +333,14 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
             out.append(moment(f"backward of layer {len(gathered.layers) - 1 - done}{flushed}", g, temp, "layer", done,
                               autograd=held_tied + grads_out))
             top = b_p * g + temp + grads_out
+    if gathered.bottom > gathered.bottom_held:  # the embeddings re-gathered: a coalesced flat buffer copied out
+        out.append(moment("embeddings re-gathered (a flat buffer copied out)", gathered.bottom, 0, "none",
+                          autograd=held_tied))
     flush = (copy_bytes(by_embed), 0) if by_embed else None
     for what, (temp, _), autograd in _embedding_moments(hg, b_p, flush):
-        out.append(moment(what, gathered.bottom, temp, "none", autograd=autograd))
+        out.append(moment(what, gathered.bottom_held, temp, "none", autograd=autograd))
     last_temp = copy_bytes(last)
-    out.append(moment("backward end (epilogue flush)", gathered.bottom, last_temp, "none", grads=grads_end,
+    out.append(moment("backward end (epilogue flush)", gathered.bottom_held, last_temp, "none", grads=grads_end,
                       autograd=b_p * lone_oversized(last, bucket_elems)))
     return out
 

@@ -36,7 +36,11 @@ class BackwardGathered:
 
     head: int  # from the backward's start to the first decoder layer's hook (lm_head, final norm)
     layers: tuple[int, ...]  # per layer, top first (index = layers back-propagated before it)
-    bottom: int  # after the last decoder layer (the embeddings)
+    bottom: int  # after the last decoder layer (the embeddings), a gather's flat buffer being copied out included
+    # the same without that flat buffer: what stays gathered once the embeddings' fetch has completed, at their
+    # gradient hook and the epilogue's flush (measured on real DeepSpeed, 6 ranks: the embedding re-gathered
+    # with layer 0's first projections in one coalesced fetch, only the embedding live at the epilogue)
+    bottom_held: int = 0
 
 
 def replay_inputs(layout: Layout, tl: Layout, no_backward: frozenset[str]) -> tuple[
@@ -79,11 +83,11 @@ def _gathered(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple
     c.micro_step()  # the warm-up step fills __params_to_release's cache as DeepSpeed's first one does
     c.boundary()
     n_layers = 1 + max((u.layer for u in units if u.layer is not None), default=-1)
-    head, bottom, layers = 0, 0, [0] * n_layers
+    head, bottom, bottom_held, layers = 0, 0, 0, [0] * n_layers
     seen_layer = False
 
     def observe(kind: str, u: int, phase: str) -> None:
-        nonlocal head, bottom, seen_layer
+        nonlocal head, bottom, bottom_held, seen_layer
         if phase != "backward":
             return
         now = c.live + c.transient
@@ -94,9 +98,10 @@ def _gathered(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple
             layers[done] = max(layers[done], now)
         elif seen_layer:
             bottom = max(bottom, now)
+            bottom_held = max(bottom_held, c.live)
         else:
             head = max(head, now)
 
     for _ in range(micro_steps):
         c.micro_step(observe)
-    return BackwardGathered(head=head, layers=tuple(layers), bottom=bottom)
+    return BackwardGathered(head=head, layers=tuple(layers), bottom=bottom, bottom_held=bottom_held)

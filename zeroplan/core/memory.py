@@ -147,15 +147,33 @@ def _gathered(layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSe
                              recompute_layers=training.checkpointing == "full")
 
 
+def _forward_end_gathered(pb: Any, gathered: BackwardGathered | None, b_p: int) -> None:
+    """Stage 3's forward peak: the activations' peak is at the loss, after the forward's last hook, beside
+    what the coordinator replay leaves gathered there (core/stage3_live.py ``forward_end``). Where that is
+    more than the heuristic gather peak (``memory_buffers.stage3_gather``, stacked on the same activations),
+    it sets the forward's gathered bytes."""
+    if gathered is None or pb.gather_forward is None:
+        return
+    end = b_p * gathered.forward_end
+    g_f = pb.gather_forward.total_bytes
+    if end <= g_f:
+        return
+    pb.forward += end - g_f
+    pb.side.setdefault("allgather", {})["forward"] = end
+    pb.detail["gathered_params_forward"] = end
+    pb.gather_forward = GatherPeak(module="end of forward (coordinator replay)", module_bytes=0, transient_bytes=0,
+                                   kept_bytes=end, prefetch_bytes=0, total_bytes=end, phase="forward")
+
+
 def _moments(pb: Any, layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSetup,
              finetune: FineTuneViews | None, flavour: str, grads_end: int, step_pinned: bool,
-             hooked: bool = False) -> list[BackwardMoment]:
+             hooked: bool = False, gathered: BackwardGathered | None = None) -> list[BackwardMoment]:
     """The backward's moments (core/backward_moments.py) for one stage's buffers ``pb``; ``hooked``: stage 1
     reducing in the gradient hooks, whose backward is stage 2's (core/memory_states.py)."""
     return backward_moments(pb, tl, stage=2 if hooked else int(zero.stage), off_opt=zero.optimizer_offload_device,
                             b_c=training.precision.comm_bytes, bucket_elems=int(zero.reduce_bucket_size),
                             grads_end=grads_end, b_p=training.precision.param_bytes,
-                            gathered=_gathered(layout, tl, zero, training, finetune, flavour),
+                            gathered=gathered,
                             overlap=bool(zero.overlap_comm), grads_in_p_grad=step_pinned,
                             multi_rank_flatten=bool(zero.reduce_scatter and zero.use_multi_rank_bucket_allreduce),
                             keep_oversized=hooked, reduce_scatter=bool(zero.reduce_scatter))
@@ -344,7 +362,10 @@ def memory_for_stage(
                        master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes,
                        activation_host_bytes=act.host_checkpoints)
     step_pinned = grads_from_autograd(sp.wrapper, grad_stage)
-    moments = _moments(pb, layout, tl, zero, training, finetune, flavour, gpu_grads_end, step_pinned, hooked)
+    gathered = _gathered(layout, tl, zero, training, finetune, flavour)
+    _forward_end_gathered(pb, gathered, training.precision.param_bytes)
+    moments = _moments(pb, layout, tl, zero, training, finetune, flavour, gpu_grads_end, step_pinned, hooked,
+                       gathered)
     phases = _phases(act, pb, moments, gpu_params, gpu_opt, grads_fwd, step_grads)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 

@@ -9,13 +9,15 @@ buffers and the activations at that moment can be told apart.
 
     python examples/validation/cpu-replay/peak_live.py STAGE MICRO_BATCH SEQ OUT.json [MODEL]
         [--world N] [--rank R] [--zero '{"reduce_bucket_size": 200000000}'] [--phase backward]
-        [--grad-accum G]
+        [--grad-accum G] [--checkpointing full]
 
 ``--world`` sets the data-parallel size (default 8), ``--rank`` the rank measured (default 0; on the
 fake group every rank runs alone, so any one can be), and ``--zero`` adds keys to the zero_optimization
 block (JSON), so a run can put a bucket inside one rank's partition or make a parameter outgrow it;
 ``--phase`` takes the peak within one phase (forward, backward or step) instead of the whole step, and
-``--grad-accum`` runs G micro-steps per optimizer step (the report says which micro-step peaked).
+``--grad-accum`` runs G micro-steps per optimizer step (the report says which micro-step peaked), and
+``--checkpointing full`` recomputes every decoder layer in the backward (``torch.utils.checkpoint``, as
+transformers' gradient checkpointing calls it).
 ``bucket_flushes`` lists every gradient-bucket reduction of the measured backward: for stages 1-2 its
 elements and the bytes each flatten copied; for stage 3 how it was reduced (all-reduce or reduce-scatter),
 its elements, and the live bytes when it began and the most while it ran.
@@ -76,11 +78,12 @@ def _record_flushes(optimizer, flushes: list, active) -> None:
     optimizer.reduce_ipg_grads, optimizer.flatten = _reduce, _flatten
 
 
-def _record_stage3_flushes(optimizer, flushes: list, active, live_total) -> None:
+def _record_stage3_flushes(optimizer, flushes: list, active, live_total, live_list) -> None:
     """Stage 3: per bucket reduction while ``active()``, how it was reduced (``all_reduce``: a bucket that fits,
     all-reduced in place in the flat buffer when ``reduce_scatter`` is off; ``reduce_scatter``:
-    ``reduce_scatter_coalesced`` of the bucket's gradients), its elements, and the live bytes when it began
-    and the most while it ran (its copies included): ``stage3.py __reduce_and_partition_ipg_grads``."""
+    ``reduce_scatter_coalesced`` of the bucket's gradients), its elements, the live bytes when it began
+    and the most while it ran (its copies included): ``stage3.py __reduce_and_partition_ipg_grads``; and
+    what was live over 1 MiB when it began (``live_list()``)."""
     cls = "_DeepSpeedZeroOptimizer_Stage3"
     contiguous, scatter = (getattr(optimizer, f"{cls}__avg_scatter{k}_grads") for k in ("_contiguous", ""))
 
@@ -88,7 +91,8 @@ def _record_stage3_flushes(optimizer, flushes: list, active, live_total) -> None
         def run(first, *args, **kwargs):
             if not active():
                 return fn(first, *args, **kwargs)
-            rec = {"kind": kind, "elements": elements(first), "live_before": live_total(), "peak": live_total()}
+            rec = {"kind": kind, "elements": elements(first), "live_before": live_total(), "peak": live_total(),
+                   "live_over_1_MiB": live_list()}
             flushes.append(rec)
             try:
                 return fn(first, *args, **kwargs)
@@ -102,7 +106,8 @@ def _record_stage3_flushes(optimizer, flushes: list, active, live_total) -> None
 
 
 def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b", world: int = 8,
-         zero: dict | None = None, phase: str | None = None, rank: int = 0, grad_accum: int = 1) -> None:
+         zero: dict | None = None, phase: str | None = None, rank: int = 0, grad_accum: int = 1,
+         checkpointing: str = "none") -> None:
     import deepspeed
 
     N = world
@@ -143,14 +148,25 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
                 best["phase"], best["micro"] = tr.phase, getattr(tr, "micro", 0)
 
     tr._register, tr._add = _register, _add
+
+    def _live_now() -> list:
+        """Storages over 1 MiB live now, with the parameter each backs and where it was allocated."""
+        names = {id(p.untyped_storage()): n for n, p in engine.module.named_parameters()}
+        out = []
+        for key, (nbytes, *_) in tr._live.items():
+            where, frames = origin.get(key, ("?", []))
+            if nbytes > MIB:
+                out.append({"bytes": nbytes, "parameter": names.get(key, ""), "allocated_in": where,
+                            "frames": frames[-2:]})
+        return sorted(out, key=lambda e: -e["bytes"])
     with tr:
         tr.phase = "step"
-        model = build_model(spec, "fp32", "cpu", seed=0)
+        model = build_model(spec, "fp32", "cpu", seed=0, checkpointing=checkpointing)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
         if stage == 3:
             _record_stage3_flushes(engine.optimizer, flushes, lambda: measuring[0] and tr.phase == "backward",
-                                   lambda: tr.ledger.total)
+                                   lambda: tr.ledger.total, _live_now)
         if stage in (1, 2):
             _record_flushes(engine.optimizer, flushes, lambda: measuring[0] and tr.phase == "backward")
         for step in range(2):
@@ -177,6 +193,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
         "command": "python examples/validation/cpu-replay/peak_live.py " + " ".join(sys.argv[1:]),
         "inputs": {"model": model_name, "layers": LAYERS, "rank": rank, "world": N, "stage": stage,
                    "micro_batch": mb, "seq_len": seq, "grad_accum": grad_accum, "precision": "bf16", "zero": zero or {},
+                   "checkpointing": checkpointing,
                    "phase": phase or "all"},
         "peak_bytes": best["total"], "peak_phase": best.get("phase"), "peak_micro_step": best.get("micro", 0),
         "live_over_1_MiB": live,
@@ -201,5 +218,8 @@ if __name__ == "__main__":
     ap.add_argument("--phase", choices=("forward", "backward", "step"), default=None,
                     help="the peak within this phase only (default: the whole step)")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
+    ap.add_argument("--checkpointing", choices=("none", "full"), default="none",
+                    help="full: every decoder layer recomputed in the backward (default none)")
     a = ap.parse_args()
-    main(a.stage, a.micro_batch, a.seq, a.out, a.model, a.world, a.zero, a.phase, a.rank, a.grad_accum)
+    main(a.stage, a.micro_batch, a.seq, a.out, a.model, a.world, a.zero, a.phase, a.rank, a.grad_accum,
+         a.checkpointing)

@@ -12,7 +12,8 @@ from zeroplan.core.inputs import (
     grad_accum_dtype_from_config,
     optimizer_impl_from_config,
 )
-from zeroplan.core.layout import build_layout
+from zeroplan.core.layout import build_layout, stage3_schedule
+from zeroplan.core.memory_buffers import stage3_gather
 from zeroplan.core.memory_states import state_plan
 from zeroplan.core.plan import evaluate
 from zeroplan.specs.deepspeed_config import ZeroConfig, load_ds_config
@@ -199,12 +200,22 @@ def test_communicators_counted():
 # ---- stage-3 prefetch (partitioned_param_coordinator.py fetch_sub_module) ----
 
 def test_stage3_prefetch_in_flight():
-    m = plan(stage=3).memory
-    assert m.gather is not None
-    g = evaluate(model=SPEC, training=TrainingSetup(precision=get_precision("bf16")),
-                 zero=ZeroConfig(stage=3), n_gpus=N).memory.gather
-    assert g.prefetch_bytes > 0
-    assert g.total_bytes == g.kept_bytes + g.transient_bytes + g.prefetch_bytes
+    """The gather peaks stacked on the activations count the prefetches in flight beside the module in use
+    (memory_buffers.stage3_gather); at the forward's end the coordinator replay's gathered bytes (what the
+    last hook leaves gathered: everything within stage3_max_reuse_distance of its next use, 1e9 elements)
+    set the forward's gathered bytes where they are more, and the reported gather is the larger phase's."""
+    zero = ZeroConfig(stage=3)
+    lay = build_layout(SPEC, N, persistence_threshold=int(zero.param_persistence_threshold),
+                       model_persistence_threshold=zero.model_persistence_threshold)
+    sched = stage3_schedule(lay, max_live=int(zero.max_live_parameters), prefetch_bucket=int(zero.prefetch_bucket_size),
+                            max_reuse=int(zero.max_reuse_distance))
+    forward, backward = stage3_gather(lay, sched, 2, int(zero.max_live_parameters))
+    assert forward.prefetch_bytes > 0
+    for g in (forward, backward):
+        assert g.total_bytes == g.kept_bytes + g.transient_bytes + g.prefetch_bytes
+    m = evaluate(model=SPEC, training=TrainingSetup(precision=get_precision("bf16")), zero=zero, n_gpus=N).memory
+    assert m.gather.module == "end of forward (coordinator replay)"
+    assert m.gather.total_bytes == m.buffers_detail["gathered_params_forward"] >= 2 * int(zero.max_reuse_distance)
 
 
 # ---- the caching allocator (c10/cuda/CUDACachingAllocator.cpp) ----

@@ -247,6 +247,25 @@ def test_stage1_is_deepspeeds_with_either_mimic():
     assert peaks_p["step"]["peak"] == peaks_d["step"]["peak"]
 
 
+@pytest.mark.parametrize("mimic,impl", [("deepspeed-cuda", "fused-adam"), ("planner", "torch-foreach")])
+def test_stage0_step_is_the_wrapper_deepspeed_builds(mimic, impl):
+    """Stage 0 in bf16: with DeepSpeed's FusedAdam (the CUDA mimic) FP16_Optimizer flattens the fp32 casts of every
+    gradient (casts and flat copy live together, then the 16-bit gradients go); with a client torch AdamW (the
+    CPU mimic, torch's foreach rule) FP16_UnfusedOptimizer casts each beside its 16-bit gradient and the optimizer
+    adds one fp32 temporary of the group (tests/test_stage0_deepspeed.py measures the latter on real DeepSpeed).
+    Both step peaks are the plan's for that optimizer, but for tensors under a page; the updates are the same."""
+    from zeroplan.bench.validate import predict, scaled_spec
+    from zeroplan.specs.deepspeed_config import ZeroConfig
+    from zeroplan.specs.model import load_model
+
+    _, losses, _, peaks, params = _train(mimic, 0)
+    _, losses_p, _, _, params_p = _train("planner", 0)
+    assert losses == losses_p and all(torch.equal(a, b) for a, b in zip(params, params_p))
+    plan = predict(scaled_spec(load_model("llama-2-7b")), ZeroConfig(stage=0, reduce_bucket_size=20000),
+                   precision="bf16", micro_batch=2, seq_len=16, n=4, grad_accum=1, optimizer_impl=impl)
+    assert 0 <= peaks["step"]["peak"] - plan.memory.phases["step"].peak < 4096
+
+
 def test_fused_adam_chunks_match_the_unchunked_update_bit_for_bit(monkeypatch):
     from zeroplan.runtime import engine_base
 

@@ -17,8 +17,9 @@ model dtype (= gradient and communication dtype), g micro-steps per optimizer st
   DeepSpeed's stage-0 buckets: forward order, a constant 5e8 elements, flushed after adding once
   over (``paper``: reduce_bucket_size, reverse order, flushed before overflowing); each bucket is
   flattened (a bucket-sized copy; a lone tensor is reduced in place). The step casts them into one
-  fp32 vector (bf16/fp16: beside the 16-bit gradients, as FP16_UnfusedOptimizer). fp32: one
-  4-byte norm all-reduce after the step.
+  fp32 vector (bf16/fp16: beside the 16-bit gradients, as FP16_UnfusedOptimizer around a client
+  optimizer; under the ``deepspeed-cuda`` mimic as FP16_Optimizer around FusedAdam, every cast and their
+  flat copy at once, then the 16-bit gradients dropped). fp32: one 4-byte norm all-reduce after the step.
 - stages 1-2: one flat bit16 buffer padded to Ψ₁₂ = ⌈Ψ/2N⌉·2N; rank r owns
   [r·Ψ₁₂/N, (r+1)·Ψ₁₂/N). Buckets of ``reduce_bucket_size`` elements, flushed before
   overflowing, in forward order for stage 1 without ``overlap_comm`` and gradient-ready order

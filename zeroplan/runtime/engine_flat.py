@@ -114,11 +114,22 @@ class Stage0Strategy(FlatLayout, StageStrategy):
                 del flat, grads
 
     def _fp32_grads(self) -> Any:
-        """The gradients as one fp32 vector for the flat AdamW. bf16/fp16 (FP16_UnfusedOptimizer.step): each
-        cast to fp32 beside its 16-bit gradient, which stays until ``zero_grad``. fp32 (no wrapper: Adam
-        steps the parameters' own gradients): moved into the vector one by one, each freed once moved, so
-        the step holds Ψ gradient elements as DeepSpeed does (plus one tensor for a moment)."""
+        """The gradients as one fp32 vector for the flat AdamW. bf16/fp16 with DeepSpeed's FusedAdam (the
+        ``deepspeed-cuda`` mimic: FP16_Optimizer.step): every gradient cast to fp32 and the casts flattened
+        into one vector, both live at once, then the 16-bit gradients dropped. Otherwise (a client torch
+        optimizer, FP16_UnfusedOptimizer.step): each cast to fp32 beside its 16-bit gradient, which stays
+        until ``zero_grad``. fp32 (no wrapper: Adam steps the parameters' own gradients): moved into the
+        vector one by one, each freed once moved, so the step holds Ψ gradient elements as DeepSpeed does
+        (plus one tensor for a moment)."""
         torch = self.torch
+        if self.mixed and self.fused_adam:
+            casts = [self._tag(p.grad.float() if p.grad is not None else torch.zeros(n, device=self.device),
+                               "buffers") for p, n in zip(self.params, self.numels)]
+            g32 = self._tag(torch.cat([c.reshape(-1) for c in casts]), "buffers")
+            del casts
+            for p in self.params:
+                p.grad = None
+            return g32
         g32 = self._empty(self.psi, "buffers", dtype=torch.float32, zero=True)
         with torch.no_grad():
             for p, off, n in zip(self.params, self.offsets, self.numels):

@@ -123,7 +123,8 @@ def head_gradients(layout: Layout) -> HeadGradients:
 def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: int, bucket_elems: int,
                      grads_end: int, b_p: int = 2, gathered: BackwardGathered | None = None, overlap: bool = False,
                      grads_in_p_grad: bool = False, multi_rank_flatten: bool = True,
-                     keep_oversized: bool = False, reduce_scatter: bool = True) -> list[BackwardMoment]:
+                     keep_oversized: bool = False, reduce_scatter: bool = True,
+                     lp_grads_end: int = 0) -> list[BackwardMoment]:
     """The moments of one backward (``pb``: core.memory_buffers.PhaseBuffers; ``gathered``: stage 3's
     gathered parameters through the backward, core/stage3_live.py; ``overlap``: ``overlap_comm``;
     ``grads_in_p_grad``: the gradients kept to the step are autograd's ``p.grad``, core/memory.py
@@ -133,7 +134,8 @@ def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: 
     ``stage1_reduces_in_hooks``), which never clears a reduced gradient, so a lone gradient larger than the
     bucket stays autograd's to the epilogue's ``_clear_param_grad_only``); ``reduce_scatter``: DeepSpeed's
     switch (off, stage 3 all-reduces a bucket that fits in place and post-scales it into a copy:
-    core/grad_buckets.py)."""
+    core/grad_buckets.py); ``lp_grads_end``: bytes of autograd's 16-bit gradients still held at the end of the
+    backward beside the reduction (BF16_Optimizer: they are added into its fp32 buffer, then all-reduced)."""
     held = pb.held.get("backward", 0)
     ipg = pb.detail.get("ipg_bucket", 0)
     hg = head_gradients(layout)
@@ -146,7 +148,8 @@ def backward_moments(pb: Any, layout: Layout, *, stage: int, off_opt: str, b_c: 
         copy = b_p * stage1_partition_copy_extra(layout, bucket_elems) if (
             stage == 1 and ipg and off_opt == "none" and not overlap) else 0
         return _two_ends(pb, hg, stage=stage, grads_end=grads_end, b_p=b_p, overlap=overlap, kept=grads_in_p_grad,
-                         offload=off_opt != "none", ipg_kept=pb.ipg_through_forward, partition_copy=copy)
+                         offload=off_opt != "none", ipg_kept=pb.ipg_through_forward, partition_copy=copy,
+                         lp_grads_end=lp_grads_end)
     return _stage2(pb, layout, hg, b_c=b_c, b_p=b_p, bucket_elems=bucket_elems, grads_end=grads_end,
                    copies=multi_rank_flatten, keep_oversized=keep_oversized)
 
@@ -217,7 +220,8 @@ def _flush_extra(sizes: list[int], span: tuple[int, int], layout: Layout, *, b_c
 
 
 def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: int, overlap: bool, kept: bool,
-              offload: bool, ipg_kept: bool = False, partition_copy: int = 0) -> list[BackwardMoment]:
+              offload: bool, ipg_kept: bool = False, partition_copy: int = 0,
+              lp_grads_end: int = 0) -> list[BackwardMoment]:
     """Every other stage: its buffers beside the activations' backward peak, and the gradients and
     buffers at the end; a tied weight's gradient held between them. Stages 0-1 without ``overlap_comm``
     reduce after autograd's backward (engine.py ``allreduce_gradients``, stage_1_and_2.py
@@ -256,7 +260,7 @@ def _two_ends(pb: Any, hg: HeadGradients, *, stage: int, grads_end: int, b_p: in
                                   held_buffers=held, gradients=grads_end, activations="none",
                                   autograd=b_p * hg.tied * (2 if kept else 3)))
     out.append(BackwardMoment(what="backward end", buffers=end, held_buffers=held, gradients=grads_end,
-                              activations="none"))
+                              activations="none", autograd=lp_grads_end))
     if partition_copy > 0:
         out.append(BackwardMoment(what="reduction after the backward (gradient partition buffer allocated beside "
                                        "the gradients not yet moved into the bucket)", buffers=end, held_buffers=held,

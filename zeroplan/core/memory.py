@@ -167,7 +167,8 @@ def _forward_end_gathered(pb: Any, gathered: BackwardGathered | None, b_p: int) 
 
 def _moments(pb: Any, layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSetup,
              finetune: FineTuneViews | None, flavour: str, grads_end: int, step_pinned: bool,
-             hooked: bool = False, gathered: BackwardGathered | None = None) -> list[BackwardMoment]:
+             hooked: bool = False, gathered: BackwardGathered | None = None,
+             lp_grads_end: int = 0) -> list[BackwardMoment]:
     """The backward's moments (core/backward_moments.py) for one stage's buffers ``pb``; ``hooked``: stage 1
     reducing in the gradient hooks, whose backward is stage 2's (core/memory_states.py)."""
     return backward_moments(pb, tl, stage=2 if hooked else int(zero.stage), off_opt=zero.optimizer_offload_device,
@@ -176,7 +177,8 @@ def _moments(pb: Any, layout: Layout, tl: Layout, zero: ZeroConfig, training: Tr
                             gathered=gathered,
                             overlap=bool(zero.overlap_comm), grads_in_p_grad=step_pinned,
                             multi_rank_flatten=bool(zero.reduce_scatter and zero.use_multi_rank_bucket_allreduce),
-                            keep_oversized=hooked, reduce_scatter=bool(zero.reduce_scatter))
+                            keep_oversized=hooked, reduce_scatter=bool(zero.reduce_scatter),
+                            lp_grads_end=lp_grads_end)
 
 
 def _layouts(spec: ModelSpec, n_gpus: int, zero: ZeroConfig, layout: Layout | None, finetune: FineTuneViews | None,
@@ -364,8 +366,10 @@ def memory_for_stage(
     step_pinned = grads_from_autograd(sp.wrapper, grad_stage)
     gathered = _gathered(layout, tl, zero, training, finetune, flavour)
     _forward_end_gathered(pb, gathered, training.precision.param_bytes)
+    # BF16_Optimizer keeps autograd's bf16 gradients to its epilogue and the all-reduce after it
+    lp_end = training.precision.param_bytes * tl.params if sp.wrapper == "bf16_optimizer" else 0
     moments = _moments(pb, layout, tl, zero, training, finetune, flavour, gpu_grads_end, step_pinned, hooked,
-                       gathered)
+                       gathered, lp_end)
     phases = _phases(act, pb, moments, gpu_params, gpu_opt, grads_fwd, step_grads)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 

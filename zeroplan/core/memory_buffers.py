@@ -153,6 +153,19 @@ def _stage3(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, b_g: int, b_c: i
     pb.side["reduce_scatter"] = {"backward": d["reduce_scatter_temp"]}
 
 
+def _bf16_optimizer(pb: PhaseBuffers, layout: Layout, b_c: int) -> None:
+    """BF16_Optimizer (ZeRO-1 in bf16 with fp32 gradient accumulation; memory_states.py): no gradient bucket.
+    After the backward its epilogue adds autograd's bf16 gradients into the whole-model fp32 gradient buffer,
+    and the engine all-reduces that buffer (engine.py ``buffered_allreduce_fallback`` with the optimizer's
+    ``get_grads_for_reduction``): one tensor, so ``allreduce_bucket``'s flatten is a view, but it is cast to
+    the communication dtype (bf16 unless the config says otherwise), a copy of the whole buffer, while the
+    bf16 gradients are still held. Measured on real DeepSpeed 0.19.8
+    (examples/validation/cpu-replay/peak-live-bf16opt-stage1-b1-s512.json)."""
+    if b_c != 4:
+        pb.detail["allreduce_flatten"] = b_c * layout.flat_padded
+        pb.backward += pb.detail["allreduce_flatten"]
+
+
 def _stage12(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: TrainingSetup, stage: int, b_g: int, b_c: int,
              contiguous: bool, off_opt: str) -> None:
     rbs = int(zero.reduce_bucket_size)
@@ -246,6 +259,15 @@ def _step(pb: PhaseBuffers, layout: Layout, zero: ZeroConfig, training: Training
         pb.step_grads = grad_end
         d["step_fp32_grad"] = cast
         pb.step_transient = max(cast, 4 * group + temps)
+    elif wrapper == "bf16_optimizer":
+        # bf16_optimizer.py step: the inner optimizer steps the fp32 master partition, whose gradients are views
+        # of the whole-model fp32 buffer (no cast); autograd's bf16 gradients are still held until zero_grad
+        # after the step. Measured on real DeepSpeed 0.19.8 (peak_live.py ... --phase step): the step's peak is
+        # the model states and those bf16 gradients, 4 KB over the plan
+        pb.step_grads = grad_end
+        d["step_fp32_grad"] = 0
+        d["step_lp_grads"] = training.precision.param_bytes * layout.params
+        pb.step_transient = d["step_lp_grads"] + temps
     elif stage == 0 and wrapper == "fp16_unfused_optimizer":
         # fp16/unfused_optimizer.py FP16_UnfusedOptimizer.step: fp32_param.grad = fp16_param.grad.to(fp32) for
         # every parameter, then the inner optimizer's step; the 16-bit gradients stay until zero_grad.
@@ -298,6 +320,8 @@ def phase_buffers(layout: Layout, training: TrainingSetup, zero: ZeroConfig, sta
         # real DeepSpeed 0.19.8 (examples/validation/cpu-replay/peak-live-stage0-*.json), 535,838,720
         pb.detail["allreduce_flatten"] = b_c * stage0_flatten_elements(layout, STAGE0_BUCKET)
         pb.backward += pb.detail["allreduce_flatten"]
+    elif wrapper == "bf16_optimizer":
+        _bf16_optimizer(pb, layout, b_c)
     elif stage in (1, 2):
         _stage12(pb, layout, zero, training, stage, b_g, b_c, contiguous, off_opt)
     else:

@@ -9,7 +9,7 @@ buffers and the activations at that moment can be told apart.
 
     python examples/validation/cpu-replay/peak_live.py STAGE MICRO_BATCH SEQ OUT.json [MODEL]
         [--world N] [--rank R] [--zero '{"reduce_bucket_size": 200000000}'] [--phase backward]
-        [--grad-accum G] [--checkpointing full]
+        [--grad-accum G] [--checkpointing full] [--config '{"data_types": {"grad_accum_dtype": "fp32"}}']
 
 ``--world`` sets the data-parallel size (default 8), ``--rank`` the rank measured (default 0; on the
 fake group every rank runs alone, so any one can be), and ``--zero`` adds keys to the zero_optimization
@@ -17,7 +17,7 @@ block (JSON), so a run can put a bucket inside one rank's partition or make a pa
 ``--phase`` takes the peak within one phase (forward, backward or step) instead of the whole step, and
 ``--grad-accum`` runs G micro-steps per optimizer step (the report says which micro-step peaked), and
 ``--checkpointing full`` recomputes every decoder layer in the backward (``torch.utils.checkpoint``, as
-transformers' gradient checkpointing calls it).
+transformers' gradient checkpointing calls it), and ``--config`` adds top-level keys to the DeepSpeed config.
 ``bucket_flushes`` lists every gradient-bucket reduction of the measured backward: for stages 1-2 its
 elements and the bytes each flatten copied; for stage 3 how it was reduced (all-reduce or reduce-scatter),
 its elements, and the live bytes when it began and the most while it ran.
@@ -107,7 +107,7 @@ def _record_stage3_flushes(optimizer, flushes: list, active, live_total, live_li
 
 def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b", world: int = 8,
          zero: dict | None = None, phase: str | None = None, rank: int = 0, grad_accum: int = 1,
-         checkpointing: str = "none") -> None:
+         checkpointing: str = "none", extra: dict | None = None) -> None:
     import deepspeed
 
     N = world
@@ -120,6 +120,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
     dist.init_process_group("fake", rank=rank, world_size=N, store=fake_store())
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = make_ds_config(stage=stage, precision="bf16", micro_batch=mb, grad_accum=grad_accum, zero=zero, comms_logger=False)
+    cfg.update(extra or {})
     tr = StorageTracker()
     origin: dict[int, tuple[str, list[str]]] = {}
     best: dict = {"total": 0, "live": []}
@@ -167,7 +168,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
         if stage == 3:
             _record_stage3_flushes(engine.optimizer, flushes, lambda: measuring[0] and tr.phase == "backward",
                                    lambda: tr.ledger.total, _live_now)
-        if stage in (1, 2):
+        if stage in (1, 2) and hasattr(engine.optimizer, "reduce_ipg_grads"):  # not BF16_Optimizer's
             _record_flushes(engine.optimizer, flushes, lambda: measuring[0] and tr.phase == "backward")
         for step in range(2):
             if step == 1:
@@ -193,7 +194,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
         "command": "python examples/validation/cpu-replay/peak_live.py " + " ".join(sys.argv[1:]),
         "inputs": {"model": model_name, "layers": LAYERS, "rank": rank, "world": N, "stage": stage,
                    "micro_batch": mb, "seq_len": seq, "grad_accum": grad_accum, "precision": "bf16", "zero": zero or {},
-                   "checkpointing": checkpointing,
+                   "checkpointing": checkpointing, "config": extra or {},
                    "phase": phase or "all"},
         "peak_bytes": best["total"], "peak_phase": best.get("phase"), "peak_micro_step": best.get("micro", 0),
         "live_over_1_MiB": live,
@@ -220,6 +221,7 @@ if __name__ == "__main__":
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
     ap.add_argument("--checkpointing", choices=("none", "full"), default="none",
                     help="full: every decoder layer recomputed in the backward (default none)")
+    ap.add_argument("--config", type=json.loads, default=None, help="extra top-level DeepSpeed config keys (JSON)")
     a = ap.parse_args()
     main(a.stage, a.micro_batch, a.seq, a.out, a.model, a.world, a.zero, a.phase, a.rank, a.grad_accum,
-         a.checkpointing)
+         a.checkpointing, a.config)

@@ -24,7 +24,7 @@ from plan_moments import winner
 
 REPLAY = Path(__file__).resolve().parents[1] / "examples" / "validation" / "cpu-replay"
 RUNS = ["peak-live-stage2-b1-s512.json", "peak-live-stage2-rbs1e8-b1-s512.json",
-        "peak-live-stage2-w2r1-rbs2e8-b1-s512.json"]
+        "peak-live-stage2-w2r1-rbs2e8-b1-s512.json", "peak-live-stage2-hfauto-overlap-backward-b1-s512.json"]
 
 
 def _inputs(rep: dict) -> tuple[object, object]:
@@ -61,12 +61,23 @@ def test_a_bucket_is_copied_only_where_it_spans_two_owners():
 @pytest.mark.parametrize("name", RUNS)
 def test_every_flush_copies_what_deepspeed_copied(name):
     rep, plan, lay = _run(name)
-    rbs = int(plan.memory.buffers_detail["ipg_bucket"] // 2)  # bf16, no overlap_comm: one bucket
+    rbs = int(_inputs(rep)[1].reduce_bucket_size)
     planned = [(hi - lo, 2 * lay.flatten_copy_12(lo, hi, rbs)) for lo, hi in lay.bucket_ranges_12(rbs, "reverse")]
     measured = [(f["elements"], max((c["copied_bytes"] for c in f["copies"]), default=0))
                 for f in rep["bucket_flushes"]]
     assert planned == measured
     assert plan.memory.buffers_detail["allreduce_flatten"] == max(c for _, c in measured)
+
+
+def test_the_hf_trainers_auto_bucket_with_overlap_comm():
+    """The HF Trainer's ``"auto"`` buckets (hidden², 16,777,216 elements) with ``overlap_comm`` (two buckets):
+    21 flushes, each copying what the plan says (above). The whole step peaks in the optimizer step, which the
+    plan has to 4 KB; the backward's own peak is 4.5% under the plan, which puts a layer's whole backward of
+    activations beside flushes that run partway through it."""
+    rep, plan, _ = _run("peak-live-stage2-hfauto-overlap-b1-s512.json")
+    assert rep["peak_phase"] == "step" and 0 <= rep["peak_bytes"] - plan.memory.allocated < 8192
+    rep, plan, _ = _run("peak-live-stage2-hfauto-overlap-backward-b1-s512.json")
+    assert 0.04 < plan.memory.phases["backward"].peak / rep["peak_bytes"] - 1 < 0.05
 
 
 def test_two_ranks_the_spanning_flush_and_its_triggering_gradient_set_the_peak():
@@ -107,7 +118,7 @@ def test_a_gradient_larger_than_the_bucket_is_reduced_from_autograds_own():
 def test_the_bundled_engine_holds_what_deepspeed_held(name):
     """The bundled runtime (``bench zero``, ``validate``), simulated at full width under FakeTensorMode as the
     same rank, peaks in the backward at real DeepSpeed's bytes less 4 (torch AdamW's step counter, a tensor
-    in DeepSpeed's client optimizer): it flushes in the overflowing gradient's hook, copies only a group
+    in DeepSpeed's client optimizer; 12 with the HF Trainer's auto buckets and overlap_comm): it flushes in the overflowing gradient's hook, copies only a group
     of two or more pieces, reduces a lone oversized gradient where autograd left it, and frees the copy
     before the owned slice lands in the gradient partition (runtime/engine_reduce12.py)."""
     from zeroplan.runtime.simulate import simulate_rank
@@ -117,7 +128,7 @@ def test_the_bundled_engine_holds_what_deepspeed_held(name):
     spec, zero = _inputs(rep)
     got = simulate_rank(spec, zero, n=inp["world"], precision="bf16", micro_batch=inp["micro_batch"],
                         seq_len=inp["seq_len"], rank=inp["rank"])
-    assert got["phase_peaks"]["backward"]["peak"] == rep["peak_bytes"] - 4
+    assert rep["peak_bytes"] - got["phase_peaks"]["backward"]["peak"] in ((4,) if "hfauto" not in name else (12,))
 
 
 # HF's zero2 example turns overlap_comm on; gradient accumulation reduces every micro-step at stage 2.

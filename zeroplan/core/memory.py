@@ -167,10 +167,14 @@ def _forward_end_gathered(pb: Any, gathered: BackwardGathered | None, b_p: int) 
 
 def _moments(pb: Any, layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSetup,
              finetune: FineTuneViews | None, flavour: str, grads_end: int, step_pinned: bool,
-             hooked: bool = False, gathered: BackwardGathered | None = None,
-             lp_grads_end: int = 0) -> list[BackwardMoment]:
+             hooked: bool = False, wrapper: str = "zero") -> list[BackwardMoment]:
     """The backward's moments (core/backward_moments.py) for one stage's buffers ``pb``; ``hooked``: stage 1
-    reducing in the gradient hooks, whose backward is stage 2's (core/memory_states.py)."""
+    reducing in the gradient hooks, whose backward is stage 2's (core/memory_states.py). Stage 3's coordinator
+    replay also sets the forward's gathered bytes at the loss (``_forward_end_gathered``, on ``pb``)."""
+    gathered = _gathered(layout, tl, zero, training, finetune, flavour)
+    _forward_end_gathered(pb, gathered, training.precision.param_bytes)
+    # BF16_Optimizer keeps autograd's bf16 gradients to its epilogue and the all-reduce after it
+    lp_grads_end = training.precision.param_bytes * tl.params if wrapper == "bf16_optimizer" else 0
     return backward_moments(pb, tl, stage=2 if hooked else int(zero.stage), off_opt=zero.optimizer_offload_device,
                             b_c=training.precision.comm_bytes, bucket_elems=int(zero.reduce_bucket_size),
                             grads_end=grads_end, b_p=training.precision.param_bytes,
@@ -364,12 +368,8 @@ def memory_for_stage(
                        master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes,
                        activation_host_bytes=act.host_checkpoints)
     step_pinned = grads_from_autograd(sp.wrapper, grad_stage)
-    gathered = _gathered(layout, tl, zero, training, finetune, flavour)
-    _forward_end_gathered(pb, gathered, training.precision.param_bytes)
-    # BF16_Optimizer keeps autograd's bf16 gradients to its epilogue and the all-reduce after it
-    lp_end = training.precision.param_bytes * tl.params if sp.wrapper == "bf16_optimizer" else 0
     moments = _moments(pb, layout, tl, zero, training, finetune, flavour, gpu_grads_end, step_pinned, hooked,
-                       gathered, lp_end)
+                       sp.wrapper)
     phases = _phases(act, pb, moments, gpu_params, gpu_opt, grads_fwd, step_grads)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 

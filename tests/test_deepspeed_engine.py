@@ -38,8 +38,8 @@ def _spec():
                                            num_attention_heads=6, num_key_value_heads=2)
 
 
-def _run(stage, precision, gas=1, **zero):
-    return {"ds_config": {"zero_optimization": {"stage": stage, **zero}}, "precision": precision,
+def _run(stage, precision, gas=1, top=None, **zero):
+    return {"ds_config": {"zero_optimization": {"stage": stage, **zero}, **(top or {})}, "precision": precision,
             "micro_batch": 1, "grad_accum": gas}
 
 
@@ -52,6 +52,8 @@ RUNS = {
         _run(1, "bf16", 1, overlap_comm=True, reduce_bucket_size=50000),  # axolotl's zero1.json: reduced in the hooks
         _run(3, "bf16", 1, stage3_max_reuse_distance=0, stage3_max_live_parameters=0),
         _run(3, "fp32", 1, reduce_bucket_size=50000, stage3_param_persistence_threshold=0),
+        # bf16 with fp32 gradient accumulation at stage 1: BF16_Optimizer (one all-reduce of its fp32 buffer)
+        _run(1, "bf16", 1, top={"data_types": {"grad_accum_dtype": "fp32"}}),
     ],
     4: [_run(s, "bf16") for s in (0, 1, 2, 3)] + [
         _run(3, "fp32", 2), _run(1, "fp32", 1, reduce_bucket_size=50000),
@@ -73,7 +75,8 @@ def _case_id(case):
     z = {k: v for k, v in r["ds_config"]["zero_optimization"].items() if k != "stage"}
     extra = ",".join(f"{k.replace('stage3_', '')}={v if not isinstance(v, dict) else v['device']}"
                      for k, v in z.items())
-    return f"N{n}-s{r['ds_config']['zero_optimization']['stage']}-{r['precision']}-gas{r['grad_accum']}" + (
+    acc = "-acc32" if "data_types" in r["ds_config"] else ""
+    return f"N{n}-s{r['ds_config']['zero_optimization']['stage']}-{r['precision']}-gas{r['grad_accum']}{acc}" + (
         f"-{extra}" if extra else "")
 
 
@@ -87,6 +90,7 @@ def _results(n):
 
 
 def _plan(n, run):
+    from zeroplan.core.ds_config_inputs import grad_accum_dtype_from_config
     from zeroplan.core.plan import evaluate
     from zeroplan.specs.deepspeed_config import load_ds_config
     from zeroplan.specs.training import TrainingSetup, get_precision
@@ -94,7 +98,8 @@ def _plan(n, run):
     dsc = load_ds_config(run["ds_config"], world_size=n)
     # the CPU engine steps a client torch.optim.AdamW; on CPU tensors torch picks the single-tensor path
     training = TrainingSetup(precision=get_precision(run["precision"]), micro_batch=1, seq_len=16,
-                             grad_accum=run["grad_accum"], optimizer_impl="torch-single")
+                             grad_accum=run["grad_accum"], optimizer_impl="torch-single",
+                             grad_accum_dtype=grad_accum_dtype_from_config(dsc))
     return evaluate(model=_spec(), training=training, zero=dsc.zero, n_gpus=n)
 
 
@@ -205,7 +210,9 @@ def test_closed_forms_from_the_architecture():
             elif z["stage"] in (1, 2):
                 flat = math.ceil(PSI / (2 * n)) * 2 * n  # flat buffer padded to a multiple of 2N
                 assert summary[("all_gather", "step")] == {"count": 1, "bytes": b * flat}
-                assert summary[("all_reduce", "backward")] == {"count": 1, "bytes": b * PSI}
+                # BF16_Optimizer (fp32 accumulation) all-reduces its whole fp32 buffer, padded as the flat one
+                reduced = flat if "data_types" in run["ds_config"] else PSI
+                assert summary[("all_reduce", "backward")] == {"count": 1, "bytes": b * reduced}
             else:
                 padded = [math.ceil(t / n) * n for t in TENSORS]  # each param padded to a multiple of N
                 big = [p for t, p in zip(TENSORS, padded) if t > 100_000]  # above the persistence threshold
@@ -234,7 +241,9 @@ def test_model_states_within_one_percent(case):
         "optimizer_states": mem.optimizer_states + host.get("optimizer_states", 0)
         + host.get("fp32_master_partition", 0),
         "gradients": mem.gradients + host.get("fp32_gradient_partition", 0) + host.get("bit16_gradient_partition", 0)
-        + mem.buffers_detail.get("gradient_partition_whole_params", 0),
+        + mem.buffers_detail.get("gradient_partition_whole_params", 0)
+        # BF16_Optimizer: autograd's bf16 gradients, held beside its fp32 buffer from the backward to the step
+        + mem.buffers_detail.get("step_lp_grads", 0),
     }
     stage = run["ds_config"]["zero_optimization"]["stage"]
     if stage == 1 and run["ds_config"]["zero_optimization"].get("overlap_comm") and run["grad_accum"] == 1:

@@ -36,6 +36,7 @@ from pydantic import BaseModel, Field
 
 from zeroplan.core.grad_buckets import bucket_sizes, stage3_all_reduced
 from zeroplan.core.layout import Layout, ceil_div, greedy_buckets_after
+from zeroplan.core.memory_states import state_plan
 from zeroplan.core.stage3_fetch import stage3_gathers
 from zeroplan.core.stage3_live import replay_inputs
 from zeroplan.specs.collectives import sent_bytes
@@ -167,6 +168,9 @@ def build_ledger(
     ds = comm_model == "deepspeed"
     if zero.stage == 0:
         _stage0(B, layout, training, zero, ds)
+    elif ds and state_plan(training, zero.stage, offload=zero.optimizer_offload_device != "none").wrapper == \
+            "bf16_optimizer":
+        _bf16_optimizer(B, layout, training)
     elif zero.stage in (1, 2):
         _stages12(B, layout, training, zero, ds)
     else:
@@ -195,6 +199,19 @@ def _stage0(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroConf
               else layout.grad_buckets(zero.reduce_bucket_size), prec.comm_bytes, 1, prec.dtype, False)
     if ds and not prec.mixed:
         B.add("all_reduce", "step", "gradient norm", 4, 1, "float32", False)
+
+
+def _bf16_optimizer(B: _Builder, layout: Layout, training: TrainingSetup) -> None:
+    """BF16_Optimizer (ZeRO-1 in bf16 with fp32 gradient accumulation, core/memory_states.py): at the boundary
+    engine.py ``buffered_allreduce_fallback`` all-reduces its whole-model fp32 gradient buffer cast to the
+    communication dtype, one call (a single tensor is one bucket whatever its size); the step all-gathers the
+    flat bf16 parameters. No overflow flag (bf16 has no loss scale) and no norm all-reduce (the norm is taken
+    of gradients already reduced). Measured call for call on real DeepSpeed (tests/test_deepspeed_engine.py)."""
+    prec = training.precision
+    B.add("all_reduce", "backward", "fp32 gradient buffer, cast to the communication dtype",
+          layout.flat_padded * prec.comm_bytes, 1, prec.dtype, False)
+    B.add("all_gather", "step", "updated parameters (flat, padded to 2N)", layout.flat_padded * prec.param_bytes, 1,
+          prec.dtype, False)
 
 
 def _stages12(B: _Builder, layout: Layout, training: TrainingSetup, zero: ZeroConfig, ds: bool) -> None:

@@ -10,6 +10,7 @@ buffers and the activations at that moment can be told apart.
     python examples/validation/cpu-replay/peak_live.py STAGE MICRO_BATCH SEQ OUT.json [MODEL]
         [--world N] [--rank R] [--zero '{"reduce_bucket_size": 200000000}'] [--phase backward]
         [--grad-accum G] [--checkpointing full] [--config '{"data_types": {"grad_accum_dtype": "fp32"}}']
+        [--lora R [--lora-targets q_proj,v_proj]]
 
 ``--world`` sets the data-parallel size (default 8), ``--rank`` the rank measured (default 0; on the
 fake group every rank runs alone, so any one can be), and ``--zero`` adds keys to the zero_optimization
@@ -17,7 +18,9 @@ block (JSON), so a run can put a bucket inside one rank's partition or make a pa
 ``--phase`` takes the peak within one phase (forward, backward or step) instead of the whole step, and
 ``--grad-accum`` runs G micro-steps per optimizer step (the report says which micro-step peaked), and
 ``--checkpointing full`` recomputes every decoder layer in the backward (``torch.utils.checkpoint``, as
-transformers' gradient checkpointing calls it), and ``--config`` adds top-level keys to the DeepSpeed config.
+transformers' gradient checkpointing calls it), ``--config`` adds top-level keys to the DeepSpeed config, and
+``--lora R`` trains PEFT-named LoRA adapters of rank R on a frozen base (``runtime/lora.py``; the client AdamW
+gets the trainable parameters only).
 ``bucket_flushes`` lists every gradient-bucket reduction of the measured backward: for stages 1-2 its
 elements and the bytes each flatten copied; for stage 3 how it was reduced (all-reduce or reduce-scatter),
 its elements, and the live bytes when it began and the most while it ran.
@@ -107,7 +110,7 @@ def _record_stage3_flushes(optimizer, flushes: list, active, live_total, live_li
 
 def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b", world: int = 8,
          zero: dict | None = None, phase: str | None = None, rank: int = 0, grad_accum: int = 1,
-         checkpointing: str = "none", extra: dict | None = None) -> None:
+         checkpointing: str = "none", extra: dict | None = None, lora: dict | None = None) -> None:
     import deepspeed
 
     N = world
@@ -163,7 +166,13 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
     with tr:
         tr.phase = "step"
         model = build_model(spec, "fp32", "cpu", seed=0, checkpointing=checkpointing)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        if lora:
+            from zeroplan.runtime.lora import apply_finetune
+            from zeroplan.specs.finetune import FineTune, LoraSpec
+
+            ft = FineTune(method="lora", lora=LoraSpec(r=lora["r"], targets=tuple(lora["targets"])))
+            model = apply_finetune(model, spec, ft)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
         if stage == 3:
             _record_stage3_flushes(engine.optimizer, flushes, lambda: measuring[0] and tr.phase == "backward",
@@ -194,7 +203,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
         "command": "python examples/validation/cpu-replay/peak_live.py " + " ".join(sys.argv[1:]),
         "inputs": {"model": model_name, "layers": LAYERS, "rank": rank, "world": N, "stage": stage,
                    "micro_batch": mb, "seq_len": seq, "grad_accum": grad_accum, "precision": "bf16", "zero": zero or {},
-                   "checkpointing": checkpointing, "config": extra or {},
+                   "checkpointing": checkpointing, "config": extra or {}, "lora": lora,
                    "phase": phase or "all"},
         "peak_bytes": best["total"], "peak_phase": best.get("phase"), "peak_micro_step": best.get("micro", 0),
         "live_over_1_MiB": live,
@@ -222,6 +231,9 @@ if __name__ == "__main__":
     ap.add_argument("--checkpointing", choices=("none", "full"), default="none",
                     help="full: every decoder layer recomputed in the backward (default none)")
     ap.add_argument("--config", type=json.loads, default=None, help="extra top-level DeepSpeed config keys (JSON)")
+    ap.add_argument("--lora", type=int, default=None, help="LoRA rank: adapters on a frozen base (default: full)")
+    ap.add_argument("--lora-targets", default="q_proj,v_proj", help="LoRA target modules (default q_proj,v_proj)")
     a = ap.parse_args()
     main(a.stage, a.micro_batch, a.seq, a.out, a.model, a.world, a.zero, a.phase, a.rank, a.grad_accum,
-         a.checkpointing, a.config)
+         a.checkpointing, a.config,
+         {"r": a.lora, "targets": a.lora_targets.split(",")} if a.lora else None)

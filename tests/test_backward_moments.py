@@ -163,21 +163,25 @@ def test_stage3_peak_is_where_real_deepspeed_peaks():
     assert -0.001 < _peak_live("peak-live-stage3-b4-s2048.json")["peak_bytes"] / m.allocated - 1 < 0
 
 
-def test_stage3_forward_ends_with_what_the_backward_starts_with():
-    """The forward's peak is at the loss, beside what the forward's last hook leaves gathered: real DeepSpeed
-    holds the whole 2-layer model there (everything within stage3_max_reuse_distance of its next use), as at
-    the head's backward. The plan had stacked its heuristic gather peak (1,294,124,140 bytes) and was 1.28%
-    under the measured forward peak; with the coordinator replay's end of forward it is 0.30% under."""
+def test_stage3_forward_is_planned_moment_by_moment():
+    """Stage 3's forward as moments (core/memory.py forward_moments): at each region the coordinator replay's
+    gathered parameters beside the traced activations there. The forward's last hook leaves the whole 2-layer
+    model gathered (everything within stage3_max_reuse_distance of its next use), as the backward starts with;
+    the plan's forward peaks at layer 1's forward, where a coalesced fetch is copied out of its flat buffer, and
+    is 0.21% over real DeepSpeed's forward peak (1.28% under while it stacked a heuristic gather peak on the
+    forward's activation peak)."""
     rep = _peak_live("peak-live-stage3-forward-b1-s512.json")
     assert rep["inputs"]["phase"] == "forward"
     spec, plan, lay, zero = _stage3(1, 512)
     g = backward_gathered(lay, lay, frozenset(), max_live=zero.max_live_parameters,
                           prefetch_bucket=zero.prefetch_bucket_size, max_reuse=zero.max_reuse_distance,
                           grad_accum=1, recompute_layers=False)
-    assert 2 * g.forward_end == 2 * g.head == 1_333_788_672
+    assert 2 * g.forward_end == 2 * g.head == 1_333_788_672 and len(g.forward_layers) == 2
     m = plan.memory
-    assert m.buffers_detail["gathered_params_forward"] == 1_333_788_672
-    assert -0.005 < m.phases["forward"].peak / rep["peak_bytes"] - 1 < 0
+    assert [mo.what for mo in m.forward_moments][-1] == "the loss"
+    assert m.forward_moments[-1].side["allgather"] == 1_333_788_672
+    assert m.gather.module == "forward of layer 1 (coordinator replay)"
+    assert 0 < m.phases["forward"].peak / rep["peak_bytes"] - 1 < 0.005
 
 
 def _ckpt_plan(name: str, stage: int = 3):

@@ -58,13 +58,17 @@ class _State:
     step_pinned: bool = False  # the step reads autograd's p.grad (core/memory.py grads_from_autograd)
     # stage 3 under full checkpointing: the recomputation's fetches change the gathers through the backward
     moments_full: tuple[tuple[str, int, int, int, int, int], ...] | None = None
+    # stage 3's forward moments (core/memory.py forward_moments): (activations, non-activation bytes, layers done,
+    # all-gather stream bytes) each; empty: the forward is ``na[0]`` beside the activations' forward peak
+    fwd_moments: tuple[tuple[str, int, int, int], ...] = ()
 
 
-def _moments(m: Any) -> tuple[tuple[tuple[str, int], ...], tuple[int, ...]]:
+def _moments(m: Any) -> tuple[tuple, tuple[int, ...]]:
     """core/memory.py's backward moments from one evaluation: their activation kinds with the layers
     done, and per moment the non-activation live bytes, the held bytes (core/memory.py held_bytes) and
     the bytes on the all-gather and reduce-scatter streams (-1: the phase's, core/backward_moments.py
-    side)."""
+    side); then stage 3's forward moments (core/memory.py forward_moments): kinds, and per moment the
+    non-activation live bytes and the all-gather stream bytes. Kinds: (backward's, forward's)."""
     f = m.phases["forward"].by_category
     base = f["params"] + f["optimizer_states"]
     kinds, values = [], []
@@ -74,13 +78,26 @@ def _moments(m: Any) -> tuple[tuple[tuple[str, int], ...], tuple[int, ...]]:
         side = mo.side or {}
         values += [base + grads + mo.autograd + mo.buffers, base + (0 if m.gradients_churned else grads) + mo.held_buffers,
                    side.get("allgather", -1), side.get("reduce_scatter", -1)]
-    return tuple(kinds), tuple(values)
+    fkinds = []
+    for mo in m.forward_moments:
+        fkinds.append((mo.activations, mo.layers_done))
+        values += [base + f["gradients"] + mo.buffers, mo.side["allgather"]]
+    return (tuple(kinds), tuple(fkinds)), tuple(values)
 
 
 def _unpack(kinds: tuple, flat: tuple) -> tuple[tuple[str, int, int, int, int, int], ...]:
-    """``_moments``' kinds and values as (activations, non-activation bytes, held bytes, layers done,
+    """``_moments``' backward kinds and values as (activations, non-activation bytes, held bytes, layers done,
     all-gather stream bytes, reduce-scatter stream bytes) per moment."""
-    return tuple((kind, nonact, h, done, ag, r) for (kind, done), (nonact, h, ag, r) in zip(kinds, zip(*[iter(flat)] * 4)))
+    back = kinds[0]
+    return tuple((kind, nonact, h, done, ag, r)
+                 for (kind, done), (nonact, h, ag, r) in zip(back, zip(*[iter(flat[:4 * len(back)])] * 4)))
+
+
+def _unpack_forward(kinds: tuple, flat: tuple) -> tuple[tuple[str, int, int, int], ...]:
+    """``_moments``' forward kinds and values as (activations, non-activation bytes, layers done, all-gather
+    stream bytes) per moment."""
+    rest = flat[4 * len(kinds[0]):]
+    return tuple((kind, nonact, done, ag) for (kind, done), (nonact, ag) in zip(kinds[1], zip(*[iter(rest)] * 2)))
 
 
 def _entry_key(e: Any) -> tuple:
@@ -299,7 +316,7 @@ class _Sweep:
         return _State(stage=stage, off_opt=oo, off_par=op, rbs=rbs, prefetch=pf, hpz=hpz, zero=None,
                       na=(fwd, stp), host_per_node=host, nvme_per_node=nvme, deviation=dev, key=point,
                       side=tuple(side), communicators=communicators(self.zero(stage, point), stage, self.n),
-                      moments=_unpack(kinds, flat),
+                      moments=_unpack(kinds, flat), fwd_moments=_unpack_forward(kinds, flat),
                       moments_full=_unpack(*self._full_moments(fam, point)) if stage == 3 else None,
                       step_pinned=step_reads_autograd(self.ref_training, self.zero(stage, point),
                                                       flavour=self.comm_model))
@@ -322,6 +339,9 @@ class _Sweep:
         at = [(nonact + mb * activation_at(act, kind, done), h, ag, r) for kind, nonact, h, done, ag, r in moments]
         b_live, held_b, ag_at, rs_at = at[max(range(len(at)), key=lambda k: at[k][0])]
         live = {"forward": fwd + mb * self.act_fwd[ckpt], "backward": b_live, "step": stp}
+        if s.fwd_moments:  # core/memory.py _phases: stage 3's largest forward moment, the first on a tie
+            fat = [(nonact + mb * activation_at(act, kind, done), ag) for kind, nonact, done, ag in s.fwd_moments]
+            live["forward"], ag_f = fat[max(range(len(fat)), key=lambda k: fat[k][0])]
         held = {"forward": held_f, "backward": held_b, "step": held_s}
         pools = {"allgather": {"forward": ag_f, "backward": ag_b}, "reduce_scatter": {"backward": rs},
                  "reduction": {"backward": red}}

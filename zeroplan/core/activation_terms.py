@@ -82,6 +82,10 @@ class ActivationBreakdown(BaseModel):
     # (each layer back-propagated below it frees ``per_layer``). None: ``backward_peak`` for both.
     backward_head_peak: int | None = None
     backward_layer_peak: int | None = None
+    # the forward's two traced regions (stage 3's forward moments, core/memory.py): the last layer's forward
+    # at its most (each layer below holds ``per_layer`` less), and the loss. None: ``forward_peak`` for both
+    forward_layer_peak: int | None = None
+    forward_loss_peak: int | None = None
     formula: str
     source: str = "paper"  # "paper" (Korthikanti), "transformers <version> trace: ..." or "megatron-lm ..."
     host_checkpoints: int = 0  # layer checkpoints kept in host RAM (DeepSpeed cpu_checkpointing), not on the GPU

@@ -68,7 +68,18 @@ class BackwardMoment(BaseModel):
 
 
 def activation_at(act: Any, kind: str, layers_done: int) -> int:
-    """The activation bytes live at a moment (``act``: core.activation_terms.ActivationBreakdown)."""
+    """The activation bytes live at a moment (``act``: core.activation_terms.ActivationBreakdown). Stage 3's
+    forward moments (core/memory.py ``forward_moments``): ``fwd_layer``, the forward of the layer with
+    ``layers_done`` layers above it (the top layer's forward peak, a layer's kept activations less per layer
+    above; the embeddings' forward counts every layer as above it), ``fwd_head`` (lm_head's fetch: all but the
+    logits) and ``fwd_loss`` (the loss). Without those traced regions, the forward's peak."""
+    if kind.startswith("fwd_"):
+        if kind == "fwd_head":
+            return act.total - act.logits
+        if kind == "fwd_loss":
+            return act.forward_peak if act.forward_loss_peak is None else act.forward_loss_peak
+        top = act.forward_peak if act.forward_layer_peak is None else act.forward_layer_peak
+        return max(0, top - layers_done * act.per_layer)
     if kind == "none":
         return 0
     if kind == "peak":

@@ -108,6 +108,7 @@ class MemoryBreakdown(BaseModel):
     held_bytes: dict[str, int] = Field(default_factory=dict)  # per phase, live bytes with no split slack (held_bytes)
     gradients_churned: bool = False  # the step's gradients are autograd's p.grad (grads_from_autograd)
     backward_moments: list[BackwardMoment] = Field(default_factory=list)  # core/backward_moments.py
+    forward_moments: list[BackwardMoment] = Field(default_factory=list)  # stage 3's forward (memory.py forward_moments)
     notes: list[str] = Field(default_factory=list)
 
 
@@ -117,14 +118,22 @@ def _phase(p_params: int, p_grads: int, p_opt: int, p_buf: int, p_act: int) -> P
 
 
 def _phases(act: ActivationBreakdown, pb: Any, moments: list[BackwardMoment], gpu_params: int, gpu_opt: int,
-            grads_fwd: int, step_grads: int) -> dict[str, PhaseMemory]:
+            grads_fwd: int, step_grads: int, fwd_moments: list[BackwardMoment]) -> dict[str, PhaseMemory]:
     """What is live in the forward, backward and step phases. The activations' own forward peak
     (core/activations.py: with a transformers trace, the logits, their gradient and a recomputed layer
     are only stacked where they coexist); the backward is its largest moment (core/backward_moments.py:
     DeepSpeed's buffers beside the activations live when they are), the first on a tie. Sets
     ``pb.held["backward"]`` to the held buffers of that moment and ``pb.churned["backward"]`` to the
-    gradients autograd holds then (counted as gradients)."""
-    fwd = _phase(gpu_params, grads_fwd, gpu_opt, pb.forward, act.forward_peak)
+    gradients autograd holds then (counted as gradients). Stage 3's forward, where it gathers, is its largest
+    moment too (``forward_moments``), whose gathered bytes become the forward's."""
+    if fwd_moments:
+        fat = [_phase(gpu_params, grads_fwd, gpu_opt, m.buffers, activation_at(act, m.activations, m.layers_done))
+               for m in fwd_moments]
+        j = max(range(len(fat)), key=lambda k: fat[k].peak)
+        _set_forward(pb, fwd_moments[j])
+        fwd = fat[j]
+    else:
+        fwd = _phase(gpu_params, grads_fwd, gpu_opt, pb.forward, act.forward_peak)
     at = [_phase(gpu_params, max(grads_fwd, m.gradients) + m.autograd, gpu_opt, m.buffers,
                  activation_at(act, m.activations, m.layers_done)) for m in moments]
     i = max(range(len(at)), key=lambda k: at[k].peak)
@@ -147,35 +156,44 @@ def _gathered(layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSe
                              recompute_layers=training.checkpointing == "full")
 
 
-def _forward_end_gathered(pb: Any, gathered: BackwardGathered | None, b_p: int) -> None:
-    """Stage 3's forward peak: the activations' peak is at the loss, after the forward's last hook, beside
-    what the coordinator replay leaves gathered there (core/stage3_live.py ``forward_end``). Where that is
-    more than the heuristic gather peak (``memory_buffers.stage3_gather``, stacked on the same activations),
-    it sets the forward's gathered bytes."""
-    if gathered is None or pb.gather_forward is None:
-        return
-    end = b_p * gathered.forward_end
-    g_f = pb.gather_forward.total_bytes
-    if end <= g_f:
-        return
-    pb.forward += end - g_f
-    pb.side.setdefault("allgather", {})["forward"] = end
-    pb.detail["gathered_params_forward"] = end
-    pb.gather_forward = GatherPeak(module="end of forward (coordinator replay)", module_bytes=0, transient_bytes=0,
-                                   kept_bytes=end, prefetch_bytes=0, total_bytes=end, phase="forward")
+def forward_moments(pb: Any, gathered: BackwardGathered | None, b_p: int) -> list[BackwardMoment]:
+    """Stage 3's forward as moments (core/backward_moments.py ``activation_at``'s ``fwd_`` kinds): at each
+    region of the forward the coordinator replay's gathered parameters (core/stage3_live.py), a fetch's flat
+    buffer being copied out included, beside the activations live there; the other buffers as the phase's.
+    Empty where nothing is gathered in the forward (the heuristic ``memory_buffers.stage3_gather`` peak
+    stacked on the forward's activation peak stays). Measured against real DeepSpeed on CPU
+    (tests/test_backward_moments.py, tests/test_lora_replays.py)."""
+    if gathered is None or pb.gather_forward is None or not gathered.forward_layers:
+        return []
+    other, held, n = pb.forward - pb.gather_forward.total_bytes, pb.held.get("forward", 0), len(gathered.forward_layers)
+    regions = [("the embeddings' forward", gathered.forward_bottom, "fwd_layer", n)]
+    regions += [(f"forward of layer {k}", g, "fwd_layer", n - 1 - k) for k, g in enumerate(gathered.forward_layers)]
+    regions += [("lm_head's fetch", gathered.forward_head, "fwd_head", 0), ("the loss", gathered.forward_end, "fwd_loss", 0)]
+    return [BackwardMoment(what=what, buffers=other + b_p * g, held_buffers=held, gradients=0, activations=kind,
+                           layers_done=done, side={"allgather": b_p * g}) for what, g, kind, done in regions]
+
+
+def _set_forward(pb: Any, moment: BackwardMoment) -> None:
+    """The forward's gathered bytes are those of its winning moment (reported as its gather)."""
+    g = moment.side["allgather"]
+    pb.forward = moment.buffers
+    pb.side.setdefault("allgather", {})["forward"] = g
+    pb.detail["gathered_params_forward"] = g
+    pb.gather_forward = GatherPeak(module=f"{moment.what} (coordinator replay)", module_bytes=0, transient_bytes=0,
+                                   kept_bytes=g, prefetch_bytes=0, total_bytes=g, phase="forward")
 
 
 def _moments(pb: Any, layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSetup,
              finetune: FineTuneViews | None, flavour: str, grads_end: int, step_pinned: bool,
-             hooked: bool = False, wrapper: str = "zero") -> list[BackwardMoment]:
-    """The backward's moments (core/backward_moments.py) for one stage's buffers ``pb``; ``hooked``: stage 1
-    reducing in the gradient hooks, whose backward is stage 2's (core/memory_states.py). Stage 3's coordinator
-    replay also sets the forward's gathered bytes at the loss (``_forward_end_gathered``, on ``pb``)."""
+             hooked: bool, wrapper: str) -> tuple[list[BackwardMoment], list[BackwardMoment]]:
+    """The backward's moments (core/backward_moments.py) for one stage's buffers ``pb``, and stage 3's forward
+    moments (``forward_moments``, from the same coordinator replay); ``hooked``: stage 1 reducing in the gradient
+    hooks, whose backward is stage 2's (core/memory_states.py)."""
     gathered = _gathered(layout, tl, zero, training, finetune, flavour)
-    _forward_end_gathered(pb, gathered, training.precision.param_bytes)
+    fwd_moments = forward_moments(pb, gathered, training.precision.param_bytes)
     # BF16_Optimizer keeps autograd's bf16 gradients to its epilogue and the all-reduce after it
     lp_grads_end = training.precision.param_bytes * tl.params if wrapper == "bf16_optimizer" else 0
-    return backward_moments(pb, tl, stage=2 if hooked else int(zero.stage), off_opt=zero.optimizer_offload_device,
+    moments = backward_moments(pb, tl, stage=2 if hooked else int(zero.stage), off_opt=zero.optimizer_offload_device,
                             b_c=training.precision.comm_bytes, bucket_elems=int(zero.reduce_bucket_size),
                             grads_end=grads_end, b_p=training.precision.param_bytes,
                             gathered=gathered,
@@ -183,6 +201,7 @@ def _moments(pb: Any, layout: Layout, tl: Layout, zero: ZeroConfig, training: Tr
                             multi_rank_flatten=bool(zero.reduce_scatter and zero.use_multi_rank_bucket_allreduce),
                             keep_oversized=hooked, reduce_scatter=bool(zero.reduce_scatter),
                             lp_grads_end=lp_grads_end)
+    return moments, fwd_moments
 
 
 def _layouts(spec: ModelSpec, n_gpus: int, zero: ZeroConfig, layout: Layout | None, finetune: FineTuneViews | None,
@@ -368,9 +387,9 @@ def memory_for_stage(
                        master_bytes=sp.master_bytes or 4, grad_bytes=sp.grad_bytes,
                        activation_host_bytes=act.host_checkpoints)
     step_pinned = grads_from_autograd(sp.wrapper, grad_stage)
-    moments = _moments(pb, layout, tl, zero, training, finetune, flavour, gpu_grads_end, step_pinned, hooked,
-                       sp.wrapper)
-    phases = _phases(act, pb, moments, gpu_params, gpu_opt, grads_fwd, step_grads)
+    moments, fwd_moments = _moments(pb, layout, tl, zero, training, finetune, flavour, gpu_grads_end, step_pinned,
+                                    hooked, sp.wrapper)
+    phases = _phases(act, pb, moments, gpu_params, gpu_opt, grads_fwd, step_grads, fwd_moments)
     peak_phase = max(PHASES, key=lambda k_: phases[k_].peak)
 
     # ---- the caching allocator, CUDA context, NCCL (core/allocator.py) ----
@@ -408,6 +427,7 @@ def memory_for_stage(
         step_transient_bytes=pb.step_transient,
         held_bytes=held_bytes(phases, pb.held, step_pinned, pb.churned),
         backward_moments=moments,
+        forward_moments=fwd_moments,
         gradients_churned=step_pinned,
         notes=notes,
     )

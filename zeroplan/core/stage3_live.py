@@ -44,6 +44,11 @@ class BackwardGathered:
     # what the forward's last hook leaves gathered: live beside the loss, the forward's activation peak
     # (measured on real DeepSpeed, 8 ranks: the whole 2-layer model, 1,333,788,672 bytes, as at the head's backward)
     forward_end: int = 0
+    # the forward's hooks, as ``layers`` (index = the layer, bottom first), before them (the embeddings) and
+    # after them (final norm, lm_head), a fetch's flat buffer being copied out included
+    forward_layers: tuple[int, ...] = ()
+    forward_bottom: int = 0
+    forward_head: int = 0
 
 
 def replay_inputs(layout: Layout, tl: Layout, no_backward: frozenset[str]) -> tuple[
@@ -87,14 +92,25 @@ def _gathered(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple
     c.boundary()
     n_layers = 1 + max((u.layer for u in units if u.layer is not None), default=-1)
     head, bottom, bottom_held, forward_end, layers = 0, 0, 0, 0, [0] * n_layers
+    fwd = {"layers": [0] * n_layers, "bottom": 0, "head": 0, "seen": False}
     seen_layer = False
+
+    def observe_forward(u: int, now: int) -> None:
+        layer = units[u].layer if u >= 0 else None
+        if layer is not None:
+            fwd["seen"] = True
+            fwd["layers"][layer] = max(fwd["layers"][layer], now)
+        else:
+            key = "head" if fwd["seen"] else "bottom"
+            fwd[key] = max(fwd[key], now)
 
     def observe(kind: str, u: int, phase: str) -> None:
         nonlocal head, bottom, bottom_held, forward_end, seen_layer
-        if phase != "backward":
-            forward_end = c.live + c.transient  # the last forward event's
-            return
         now = c.live + c.transient
+        if phase != "backward":
+            forward_end = now  # the last forward event's
+            observe_forward(u, now)
+            return
         layer = units[u].layer if u >= 0 else None
         if layer is not None:
             seen_layer = True
@@ -107,6 +123,8 @@ def _gathered(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple
             head = max(head, now)
 
     for _ in range(micro_steps):
+        fwd.update(seen=False)
         c.micro_step(observe)
     return BackwardGathered(head=head, layers=tuple(layers), bottom=bottom, bottom_held=bottom_held,
-                            forward_end=forward_end)
+                            forward_end=forward_end, forward_layers=tuple(fwd["layers"]),
+                            forward_bottom=fwd["bottom"], forward_head=fwd["head"])

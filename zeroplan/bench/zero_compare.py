@@ -7,10 +7,9 @@ sweep of the bundled engine against the plan (``examples/validation/phase-peaks/
 (core/activation_data.json) and the phase is planned moment by moment; ``PHASE_PEAK_TOLERANCE`` where the
 activations come from Korthikanti's formula (a family or setting the trace does not cover, such as GPT-2
 with its dropout), for the ``paper`` flavour (an idealisation, not an engine's schedule), and for stage 3's
-forward when it gathers parameters (planned region by region from the coordinator replay, but with the
-forward's activation peak where the activations are Korthikanti's formula, and a region's activations
-bounded from its layer's, where DeepSpeed's largest prefetch may come before any activation: 16% over on a 2-rank run whose whole
-model is one prefetch, tests/test_engine.py)."""
+forward when it gathers parameters (planned region by region from the coordinator replay, each region's
+activations bounded from the top layer's forward peak; the sweep gathers nothing, so no narrower bound
+has been measured for it)."""
 
 from __future__ import annotations
 

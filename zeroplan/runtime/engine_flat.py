@@ -48,6 +48,12 @@ class FlatLayout:
             for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
                 p.grad = self.flat_grad[off:off + n].view(shape)
 
+    def _note_autograd_grads(self) -> None:
+        """Keep the most bytes autograd's ``p.grad`` have held after a backward (``accumulated_grad_bytes``:
+        the model-state figure where no tagged buffer holds the gradients)."""
+        self._accum_bytes = max(self._accum_bytes, sum(p.grad.numel() * p.grad.element_size()
+                                                       for p in self.params if p.grad is not None))
+
     def _free_flat_grads(self) -> None:
         for p in self.params:
             p.grad = None
@@ -64,6 +70,7 @@ class Stage0Strategy(FlatLayout, StageStrategy):
     torch's ``flatten_dense_tensors``) and copied back; the step reads them and ``zero_grad`` frees them."""
 
     def setup(self) -> None:
+        self._accum_bytes = 0
         self._flatten_params(self.psi, zero=False)
         if self.ds and not self.mixed and not self.offload:
             # DeepSpeed 0.19.8 without ZeRO in fp32 wraps no optimizer (engine.py
@@ -84,12 +91,10 @@ class Stage0Strategy(FlatLayout, StageStrategy):
         pass  # autograd allocates (or, after the first micro-step, accumulates into) each p.grad
 
     def after_backward(self) -> None:
-        # the gradients' bytes for the model-state figures: autograd's, not a tagged buffer
-        self._accum_bytes = max(getattr(self, "_accum_bytes", 0), sum(
-            p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None))
+        self._note_autograd_grads()
 
     def accumulated_grad_bytes(self) -> int:
-        return getattr(self, "_accum_bytes", 0)
+        return self._accum_bytes
 
     def boundary(self) -> None:
         """Each bucket's gradients flattened into one copy (none for a lone tensor), all-reduced, averaged

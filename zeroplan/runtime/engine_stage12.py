@@ -195,8 +195,7 @@ class Stage1Strategy(Stage12Strategy):
     def after_backward(self) -> None:
         if self.ds_stage1_grads and not (self.hooked and self._at_boundary):
             # autograd's p.grad, accumulated to the boundary (its hooks, or reduce_gradients after it)
-            self._accum_bytes = max(self._accum_bytes, sum(p.grad.numel() * p.grad.element_size()
-                                                           for p in self.params if p.grad is not None))
+            self._note_autograd_grads()
         if self.hooked and self._at_boundary:  # the epilogue (engine.py allreduce_gradients: at the boundary only)
             if self._ptr != len(self._order):
                 raise RuntimeError("stage 1: some parameters received no gradient in backward")

@@ -138,6 +138,17 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
         if st.nbytes() > MIB:
             origin[id(st)] = (tr.phase, _frames(3))
 
+    def _live_now() -> list:
+        """Storages over 1 MiB live now, with the parameter each backs and where it was allocated (read now:
+        a storage's Python id can be reused once it is freed)."""
+        names = {id(p.untyped_storage()): n for n, p in engine.module.named_parameters()}
+        out = []
+        for key, (nbytes, *_) in tr._live.items():
+            if nbytes > MIB:
+                where, frames = origin.get(key, ("?", []))
+                out.append({"bytes": nbytes, "parameter": names.get(key, ""), "allocated_in": where, "frames": frames})
+        return sorted(out, key=lambda e: -e["bytes"])
+
     add = tr._add
 
     def _add(category, host, nbytes, _o=add):
@@ -147,22 +158,11 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
         if measuring[0] and (phase is None or tr.phase == phase) and tr.ledger.total > best["total"]:
             best["total"] = tr.ledger.total
             if nbytes > MIB:  # a large allocation raised the peak: record what lives beside it
-                names = {id(p.untyped_storage()): n for n, p in engine.module.named_parameters()}
-                best["live"] = [(b, k, names.get(k, "")) for k, (b, *_) in tr._live.items() if b > MIB]
+                best["live"] = _live_now()
                 best["phase"], best["micro"] = tr.phase, getattr(tr, "micro", 0)
 
     tr._register, tr._add = _register, _add
 
-    def _live_now() -> list:
-        """Storages over 1 MiB live now, with the parameter each backs and where it was allocated."""
-        names = {id(p.untyped_storage()): n for n, p in engine.module.named_parameters()}
-        out = []
-        for key, (nbytes, *_) in tr._live.items():
-            where, frames = origin.get(key, ("?", []))
-            if nbytes > MIB:
-                out.append({"bytes": nbytes, "parameter": names.get(key, ""), "allocated_in": where,
-                            "frames": frames[-2:]})
-        return sorted(out, key=lambda e: -e["bytes"])
     with tr:
         tr.phase = "step"
         model = build_model(spec, "fp32", "cpu", seed=0, checkpointing=checkpointing)
@@ -193,10 +193,6 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
                 tr.phase = "step"
                 engine.step()
             print(f"step {step} done", file=sys.stderr, flush=True)
-    live = []
-    for nbytes, key, name in sorted(best["live"], reverse=True):
-        where, frames = origin.get(key, ("?", []))
-        live.append({"bytes": nbytes, "parameter": name, "allocated_in": where, "frames": frames})
     report = {
         "environment": {"device": "cpu", "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                         "python": platform.python_version()},
@@ -206,7 +202,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
                    "checkpointing": checkpointing, "config": extra or {}, "lora": lora,
                    "phase": phase or "all"},
         "peak_bytes": best["total"], "peak_phase": best.get("phase"), "peak_micro_step": best.get("micro", 0),
-        "live_over_1_MiB": live,
+        "live_over_1_MiB": best["live"],
     }
     if flushes:
         report["bucket_flushes"] = [{k: v for k, v in f.items() if k != "open"} for f in flushes if f["elements"]]

@@ -231,6 +231,11 @@ def test_stage3_over_two_micro_steps_peaks_as_over_one():
     """Two micro-steps per optimizer step: stage 3 keeps one persistent gradient partition and accumulates into
     it, so real DeepSpeed peaks at the bytes it peaks at with one micro-step, in the first micro-step's
     backward; so does the plan (0.65% under), and the bundled engine (9 bytes under, below)."""
+    _, _, lay, zero = _stage3(1, 512)
+    kw = dict(max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
+              max_reuse=zero.max_reuse_distance, recompute_layers=False)
+    one, two = (backward_gathered(lay, lay, frozenset(), grad_accum=g, **kw) for g in (1, 2))
+    assert two.bottom == one.bottom  # each micro-step's head counts as its head, not as the last one's bottom
     rep = _peak_live("peak-live-stage3-gas2-b1-s512.json")
     assert rep["inputs"]["grad_accum"] == 2 and rep["peak_phase"] == "backward"
     assert rep["peak_bytes"] == _peak_live("peak-live-stage3-b1-s512.json")["peak_bytes"]

@@ -91,40 +91,43 @@ def _gathered(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple
     c.micro_step()  # the warm-up step fills __params_to_release's cache as DeepSpeed's first one does
     c.boundary()
     n_layers = 1 + max((u.layer for u in units if u.layer is not None), default=-1)
-    head, bottom, bottom_held, forward_end, layers = 0, 0, 0, 0, [0] * n_layers
-    fwd = {"layers": [0] * n_layers, "bottom": 0, "head": 0, "seen": False}
-    seen_layer = False
-
-    def observe_forward(u: int, now: int) -> None:
-        layer = units[u].layer if u >= 0 else None
-        if layer is not None:
-            fwd["seen"] = True
-            fwd["layers"][layer] = max(fwd["layers"][layer], now)
-        else:
-            key = "head" if fwd["seen"] else "bottom"
-            fwd[key] = max(fwd[key], now)
+    fwd, bwd = _Regions(n_layers), _Regions(n_layers)
+    forward_end = 0
 
     def observe(kind: str, u: int, phase: str) -> None:
-        nonlocal head, bottom, bottom_held, forward_end, seen_layer
+        nonlocal forward_end
         now = c.live + c.transient
-        if phase != "backward":
-            forward_end = now  # the last forward event's
-            observe_forward(u, now)
-            return
         layer = units[u].layer if u >= 0 else None
-        if layer is not None:
-            seen_layer = True
-            done = n_layers - 1 - layer
-            layers[done] = max(layers[done], now)
-        elif seen_layer:
-            bottom = max(bottom, now)
-            bottom_held = max(bottom_held, c.live)
+        if phase == "backward":
+            bwd.see(layer, now, c.live)
         else:
-            head = max(head, now)
+            forward_end = now  # the last forward event's
+            fwd.see(layer, now, c.live)
 
     for _ in range(micro_steps):
-        fwd.update(seen=False)
+        fwd.seen = bwd.seen = False
         c.micro_step(observe)
-    return BackwardGathered(head=head, layers=tuple(layers), bottom=bottom, bottom_held=bottom_held,
-                            forward_end=forward_end, forward_layers=tuple(fwd["layers"]),
-                            forward_bottom=fwd["bottom"], forward_head=fwd["head"])
+    # the backward meets the layers top first: its "before" is the head, its "after" the embeddings
+    return BackwardGathered(head=bwd.before, layers=tuple(reversed(bwd.layers)), bottom=bwd.after,
+                            bottom_held=bwd.after_held, forward_end=forward_end, forward_layers=tuple(fwd.layers),
+                            forward_bottom=fwd.before, forward_head=fwd.after)
+
+
+class _Regions:
+    """The most gathered elements seen in each region of one pass: before the decoder layers, in each layer
+    (by layer index), after them (also without a fetch's flat buffer: ``after_held``)."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.layers = [0] * n_layers
+        self.before = self.after = self.after_held = 0
+        self.seen = False  # a decoder layer's hook has run in this pass
+
+    def see(self, layer: int | None, now: int, held: int) -> None:
+        if layer is not None:
+            self.seen = True
+            self.layers[layer] = max(self.layers[layer], now)
+        elif self.seen:
+            self.after = max(self.after, now)
+            self.after_held = max(self.after_held, held)
+        else:
+            self.before = max(self.before, now)

@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 from zeroplan.cli import app
 from zeroplan.specs.deepspeed_config import load_ds_config
 
+from recommend_plan import evaluate_candidate
+
 runner = CliRunner()
 P7 = 6_738_415_616  # Llama-2-7B (published)
 P70 = 68_976_648_192  # Llama-2-70B (published)
@@ -170,21 +172,15 @@ def test_nothing_fits_says_how_many_nodes():
 
 def test_sweep_matches_evaluate():
     """The sweep composes per-axis evaluations; every alternative must equal evaluate() exactly."""
-    from zeroplan.advice.recommend import candidate_zero, recommend
-    from zeroplan.core.inputs import build_plan_inputs, zero_for_stage
-    from zeroplan.core.plan import evaluate
+    from zeroplan.advice.recommend import recommend
+    from zeroplan.core.inputs import build_plan_inputs
 
     for model, hw, nodes in (("llama-2-7b", "h100-8x-100gbe", 2), ("gpt2", "dgx-a100-80gb", 1)):
         inp = build_plan_inputs(model=model, hardware=hw, nodes=nodes, precision="bf16")
         rec = recommend(inp, top=20)
         assert len(rec.alternatives) >= 5
         for a in rec.alternatives:
-            zero = candidate_zero(zero_for_stage(inp, a.stage), offload_optimizer=a.offload_optimizer,
-                                  offload_param=a.offload_param, reduce_bucket_size=a.reduce_bucket_size,
-                                  prefetch_bucket_size=a.prefetch_bucket_size, hpz_partition_size=a.hpz_partition_size)
-            tr = inp.training.model_copy(update={"micro_batch": a.micro_batch, "checkpointing": a.checkpointing})
-            p = evaluate(model=inp.spec, training=tr, zero=zero, n_gpus=inp.n_gpus, gpus_per_node=inp.gpus_per_node,
-                         hardware=inp.hardware)
+            p = evaluate_candidate(inp, a)
             assert p.memory.peak == a.peak_bytes, a
             assert p.host_memory_per_node == a.host_per_node_bytes
             assert p.comm.bytes_per_gpu_per_step == a.comm_bytes_per_gpu_per_step
@@ -195,9 +191,8 @@ def test_leanest_of_a_stage_that_does_not_fit_is_what_estimate_says():
     """Where a stage does not fit, "even at its leanest it needs X" must be evaluate()'s peak for that
     configuration, including the allocator's cache giving way on the card (core/allocator.py
     release_under_pressure): llama-2-70b's ZeRO-0/1/2 on 4 DGX-H100 need more than the card holds."""
-    from zeroplan.advice.recommend import candidate_zero, recommend
-    from zeroplan.core.inputs import build_plan_inputs, zero_for_stage
-    from zeroplan.core.plan import evaluate
+    from zeroplan.advice.recommend import recommend
+    from zeroplan.core.inputs import build_plan_inputs
 
     inp = build_plan_inputs(model="llama-2-70b", hardware="dgx-h100", nodes=4, precision="bf16")
     rec = recommend(inp, top=5)
@@ -206,12 +201,7 @@ def test_leanest_of_a_stage_that_does_not_fit_is_what_estimate_says():
     capped = 0
     for s in over:
         c = s.leanest
-        zero = candidate_zero(zero_for_stage(inp, c.stage), offload_optimizer="none", offload_param="none",
-                              reduce_bucket_size=c.reduce_bucket_size, prefetch_bucket_size=c.prefetch_bucket_size,
-                              hpz_partition_size=c.hpz_partition_size)
-        tr = inp.training.model_copy(update={"micro_batch": c.micro_batch, "checkpointing": c.checkpointing})
-        m = evaluate(model=inp.spec, training=tr, zero=zero, n_gpus=inp.n_gpus, gpus_per_node=inp.gpus_per_node,
-                     hardware=inp.hardware).memory
+        m = evaluate_candidate(inp, c, offload_optimizer="none", offload_param="none").memory
         assert c.peak_bytes == m.peak, s.stage
         capped += any("would outgrow the card" in n for n in m.notes)
     assert capped >= 1  # the cap is exercised (ZeRO-2's leanest: 183.83 GB, not the uncapped 188.97)

@@ -271,9 +271,9 @@ def test_lora_sweep_matches_evaluate_with_stage3_forward_moments():
     """With a frozen base, stage 3 gathers in its forward, which core/memory.py plans region by region
     (forward_moments); the sweep carries those moments as data, so every alternative still equals
     evaluate() byte for byte."""
-    from zeroplan.advice.recommend import candidate_zero, recommend
-    from zeroplan.core.inputs import zero_for_stage
-    from zeroplan.core.plan import evaluate
+    from zeroplan.advice.recommend import recommend
+
+    from recommend_plan import evaluate_candidate
 
     inp = build_plan_inputs(model="llama-2-7b", hardware="dgx-a100-80gb", gpus=8, precision="bf16", method="lora",
                             lora_r=16, seq_len=512)
@@ -281,12 +281,7 @@ def test_lora_sweep_matches_evaluate_with_stage3_forward_moments():
     stage3 = [a for a in rec.alternatives if a.stage == 3]
     assert stage3
     for a in rec.alternatives:
-        zero = candidate_zero(zero_for_stage(inp, a.stage), offload_optimizer=a.offload_optimizer,
-                              offload_param=a.offload_param, reduce_bucket_size=a.reduce_bucket_size,
-                              prefetch_bucket_size=a.prefetch_bucket_size, hpz_partition_size=a.hpz_partition_size)
-        tr = inp.training.model_copy(update={"micro_batch": a.micro_batch, "checkpointing": a.checkpointing})
-        p = evaluate(model=inp.spec, training=tr, zero=zero, n_gpus=inp.n_gpus, gpus_per_node=inp.gpus_per_node,
-                     hardware=inp.hardware, finetune=inp.finetune)
+        p = evaluate_candidate(inp, a)
         assert p.memory.peak == a.peak_bytes, a
         if a.stage == 3:
             assert p.memory.forward_moments  # the frozen base is gathered in the forward

@@ -132,9 +132,10 @@ def test_the_bundled_engine_holds_what_deepspeed_held(name):
 def test_recommend_plans_axolotls_zero1_as_estimate_does(tmp_path):
     """recommend's sweep composes memory per axis; with a ZeRO-1 ``overlap_comm`` config its stage-1 choices
     (gradient partition, stage-2 moments, the step reading DeepSpeed's buffer) equal evaluate() exactly."""
-    from zeroplan.advice.recommend import candidate_zero, recommend
+    from zeroplan.advice.recommend import recommend
     from zeroplan.core.inputs import build_plan_inputs, zero_for_stage
-    from zeroplan.core.plan import evaluate
+
+    from recommend_plan import evaluate_candidate
 
     cfg = tmp_path / "zero1.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": True}, "bf16": {"enabled": True}}))
@@ -142,14 +143,9 @@ def test_recommend_plans_axolotls_zero1_as_estimate_does(tmp_path):
     stage1 = [a for a in recommend(inp, top=40).alternatives if a.stage == 1]
     assert stage1
     for a in stage1:
-        zero = candidate_zero(zero_for_stage(inp, 1), offload_optimizer=a.offload_optimizer,
-                              offload_param=a.offload_param, reduce_bucket_size=a.reduce_bucket_size,
-                              prefetch_bucket_size=a.prefetch_bucket_size, hpz_partition_size=a.hpz_partition_size)
-        tr = inp.training.model_copy(update={"micro_batch": a.micro_batch, "checkpointing": a.checkpointing})
-        p = evaluate(model=inp.spec, training=tr, zero=zero, n_gpus=inp.n_gpus, gpus_per_node=inp.gpus_per_node,
-                     hardware=inp.hardware)
+        p = evaluate_candidate(inp, a, stage=1)
         if a.offload_optimizer == "none":  # the partition's gradients, not the whole model's
-            assert zero.overlap_comm and p.memory.gradients < p.memory.params
+            assert zero_for_stage(inp, 1).overlap_comm and p.memory.gradients < p.memory.params
         assert p.memory.peak == a.peak_bytes
     assert any(a.offload_optimizer == "none" for a in stage1)
 

@@ -13,7 +13,8 @@ optimistic about the fast network. For 138B at 200 vs 800 Gb/s its ratio is 0.20
 it hides too much on the slow network. With nothing hidden (the worst-case bracket) every pair
 but the three 18B ones is within 0.06 (median 0.045: the second test, a profile whose measured
 node.overlap_slowdown is 1); no DeepSpeed 0.9 scheduling rule found so far explains
-why those runs overlapped so little (tests/data/published/README.md).
+why those runs overlapped so little (tests/data/published/README.md). The ZeRO++ tutorial's logs of
+the same software on 64 GPUs did hide most of their compute (tests/test_published_zeropp_log.py).
 """
 
 from __future__ import annotations

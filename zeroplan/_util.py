@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -17,6 +18,7 @@ import re
 import signal
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "fmt_gb",
     "fmt_gib",
     "read_text_file",
+    "input_guard",
     "read_input_bytes",
     "CONFIG_MAX_BYTES",
     "LOG_MAX_BYTES",
@@ -100,6 +103,31 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+# Every regular file ``read_input_bytes`` read during one CLI command, by (st_dev, st_ino): the
+# files an option names and the ones found through them (the DeepSpeed config a training file
+# points to, a model directory's config.json, the HF cache). While a command runs (the CLI turns
+# it on in ``input_guard``) no output may replace one of them; library calls outside the CLI
+# record nothing.
+_INPUTS_READ: dict[tuple[int, int], str] | None = None
+
+
+@contextlib.contextmanager
+def input_guard() -> Iterator[None]:
+    """Within the block, refuse any write over a file ``read_input_bytes`` has read (one command)."""
+    global _INPUTS_READ
+    outer, _INPUTS_READ = _INPUTS_READ, {}
+    try:
+        yield
+    finally:
+        _INPUTS_READ = outer
+
+
+def _refuse_input_overwrite(st: os.stat_result | None, shown: str) -> None:
+    if st is not None and _INPUTS_READ and (st.st_dev, st.st_ino) in _INPUTS_READ:
+        raise InputError(f"{shown}: is the same file as the input {_INPUTS_READ[(st.st_dev, st.st_ino)]} this "
+                         "command read; refusing to overwrite it")
+
+
 def _resolve_output(path: str | os.PathLike, option: str = "") -> tuple[Path, os.stat_result | None]:
     """(file to write, its stat or None when it does not exist yet), or InputError.
 
@@ -125,6 +153,7 @@ def _resolve_output(path: str | os.PathLike, option: str = "") -> tuple[Path, os
         st = None
     except OSError as exc:
         raise InputError(f"{shown}: cannot write: {exc.strerror or exc}") from None
+    _refuse_input_overwrite(st, shown)
     if st is not None and not stat.S_ISREG(st.st_mode):
         if stat.S_ISDIR(st.st_mode):
             raise InputError(f"{shown}: is a directory, expected a file path to write")
@@ -316,6 +345,8 @@ def read_input_bytes(path: str | os.PathLike, what: str = "file", max_bytes: int
             raise InputError(f"{shown}: is a directory, expected a {what}")
         if not stat.S_ISREG(st.st_mode):
             raise InputError(f"{shown}: is {_kind(st.st_mode)}, expected a regular {what} file")
+        if _INPUTS_READ is not None:
+            _INPUTS_READ[(st.st_dev, st.st_ino)] = shown
         os.set_blocking(fd, True)
         chunks, size = [], 0
         while size <= max_bytes:

@@ -90,9 +90,12 @@ class _ZeroplanGroup(TyperGroup):
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        from zeroplan._util import input_guard
+
         try:
-            rv = super().main(args=args, prog_name=prog_name or "zeroplan", complete_var=complete_var,
-                              standalone_mode=False, **extra)
+            with input_guard():  # no output of this command replaces a file it read
+                rv = super().main(args=args, prog_name=prog_name or "zeroplan", complete_var=complete_var,
+                                  standalone_mode=False, **extra)
         except _cx.NoArgsIsHelpError as exc:
             _echo(exc.ctx.get_help())
             rv = 0

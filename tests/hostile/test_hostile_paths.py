@@ -102,6 +102,65 @@ def test_output_that_is_an_input_is_refused_before_work(cmd, how, tmp_path, monk
     assert snapshot(tmp_path) == before and ds.read_bytes() == content
 
 
+def _training_inputs(tmp: Path) -> dict[str, Path]:
+    ds = _ds(tmp)
+    hf = tmp / "hf.json"
+    hf.write_text(json.dumps({"per_device_train_batch_size": 1, "bf16": True, "deepspeed": str(ds)}))
+    model = tmp / "mdir"
+    model.mkdir()
+    (model / "config.json").write_text((REPO / "tests" / "data" / "published" / "models" /
+                                        sorted(os.listdir(REPO / "tests" / "data" / "published" / "models"))[0]).read_text())
+    return {"ds": ds, "hf": hf, "model": model}
+
+
+# an output over a file the command reads though no option names it as the output's rival: the training
+# file (refused before any work), the DeepSpeed config that training file names (refused when the write
+# comes: only reading the training file finds it), a model directory's config.json (before any work)
+INDIRECT = {
+    "report --html over --hf-args": (lambda f: ["report", "--model", "llama-2-7b", "--gpus", "8", "--max-nodes", "1",
+                                                "--hf-args", str(f["hf"]), "--html", str(f["hf"])], "hf", "--hf-args"),
+    "check --output over --hf-args": (lambda f: ["check", str(f["ds"]), "--model", "llama-2-7b", "--hardware", "dgx-h100",
+                                                 "--gpus", "8", "--hf-args", str(f["hf"]), "--output", str(f["hf"])],
+                                      "hf", "--hf-args"),
+    "report --html over the config --hf-args names": (
+        lambda f: ["report", "--model", "llama-2-7b", "--gpus", "8", "--max-nodes", "1", "--hf-args", str(f["hf"]),
+                   "--html", str(f["ds"])], "ds", "this command read"),
+    "recommend --emit-config over the config --hf-args names": (
+        lambda f: ["recommend", "--model", "llama-2-7b", "--hardware", "dgx-h100", "--gpus", "8", "--hf-args",
+                   str(f["hf"]), "--emit-config", str(f["ds"])], "ds", "this command read"),
+    "recommend --emit-config over a model directory's config.json": (
+        lambda f: ["recommend", "--model", str(f["model"]), "--hardware", "dgx-h100", "--gpus", "8",
+                   "--emit-config", str(f["model"] / "config.json")], "model", "--model"),
+}
+
+
+@pytest.mark.parametrize("case", list(INDIRECT))
+def test_an_output_never_replaces_a_file_the_command_read(case, tmp_path):
+    args, which, named = INDIRECT[case]
+    files = _training_inputs(tmp_path)
+    before = snapshot(tmp_path)
+    msg = one_line_exit_2(runner.invoke(app, args(files)))
+    assert "same file as the input" in msg and named in msg
+    assert snapshot(tmp_path) == before  # nothing replaced, no temp file left
+
+
+def test_the_guard_is_the_cli_commands_own(tmp_path):
+    """Outside a CLI command the library writes where it is asked, a file read earlier included (an API user
+    regenerating a config in place); inside one, a file read by that command is refused at the write."""
+    from zeroplan._util import input_guard
+
+    p = tmp_path / "c.json"
+    p.write_text("{}")
+    read_text_file(p, "config")
+    atomic_write_text(p, '{"a": 1}')
+    with input_guard():
+        read_text_file(p, "config")
+        with pytest.raises(InputError, match="same file as the input .* this command read"):
+            atomic_write_text(p, '{"b": 2}')
+    assert p.read_text() == '{"a": 1}'
+    atomic_write_text(p, '{"c": 3}')  # the guard ended with the command
+
+
 def test_save_profile_naming_the_hardware_file_is_refused(tmp_path):
     prof = tmp_path / "p.toml"
     prof.write_text((REPO / "hardware_profiles" / "dgx-h100.toml").read_text())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 import sys
 from typing import Any, Callable, List, Optional, TypeVar, get_type_hints
 
@@ -322,6 +323,18 @@ def console():
     if not c.is_terminal:
         c.soft_wrap = True
     return c
+
+
+def read_files(model: str | None, hardware: str | None, ds_config: str | None,
+               fine_tuning: dict[str, Any]) -> dict[str, str | None]:
+    """The files a planning command reads, by option, for ``validate_output_path`` before any work: a model
+    directory stands for its config.json. What is found through them (the DeepSpeed config a training file
+    names, the HF cache) is refused at write time (``_util.input_guard``)."""
+    if model is not None and os.path.isdir(os.path.expanduser(model)):
+        model = os.path.join(model, "config.json")
+    return {"--model": model, "--hardware": hardware, "--ds-config": ds_config,
+            **{"--" + name.replace("_", "-"): fine_tuning.get(name)
+               for name in ("accelerate_config", "hf_args", "axolotl", "llama_factory")}}
 
 
 def err_console():

@@ -11,6 +11,7 @@ from zeroplan.commands._common import (
     DEFAULT_COMM_MODEL, DEFAULT_FAIL_ON, DEFAULT_HEADROOM, DEFAULT_MAX_COMM_SHARE, DEFAULT_MFU, Checkpointing,
     CommModel, FlashAttention, Kernels, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, MicroBatch, Mfu, Model, Nodes,
     Optimizer, Precision, SeqLen, console, handle_errors, with_fine_tuning_options, options_from,
+    read_files,
 )
 from zeroplan.options import FAIL_ON, CheckOptions
 
@@ -100,7 +101,7 @@ def register(app: typer.Typer) -> None:
 
         output = None if output == "-" else output  # "-": stdout, as without --output
         validate_output_path(output, option="--output", inputs={"the checked config": config_paths(
-            configs, expand_globs=expand_globs), "--hardware": hardware, "--model": model})
+            configs, expand_globs=expand_globs), **read_files(model, hardware, None, fine_tuning)})
         from zeroplan.report.formats import summary_line, to_github, to_json, to_junit
 
         if fmt not in FORMATS:

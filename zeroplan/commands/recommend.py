@@ -14,6 +14,7 @@ from zeroplan.commands._common import (
     DEFAULT_COMM_MODEL, DEFAULT_HEADROOM, DEFAULT_MFU, DEFAULT_TOP, Checkpointing, CommModel, DsConfig,
     FlashAttention, GpusPerNode, Kernels, GradAccum, Gpus, Hardware, Headroom, Json, Lenient, MicroBatch, Mfu, Nodes,
     Optimizer, Precision, SeqLen, Stage, Strict, console, handle_errors, with_fine_tuning_options, options_from, print_json,
+    read_files,
 )
 from zeroplan.options import RecommendOptions
 
@@ -202,8 +203,7 @@ def recommend_cmd(
                          "so it needs a file path, not stdout")
     sidecar = peft_sidecar_path(emit_config) if emit_config is not None else None
     for path in (emit_config, sidecar):
-        validate_output_path(path, option="--emit-config",
-                             inputs={"--ds-config": ds_config, "--hardware": hardware, "--model": model})
+        validate_output_path(path, option="--emit-config", inputs=read_files(model, hardware, ds_config, fine_tuning))
     _check_emit_path(emit_config)
     options = options_from(RecommendOptions, {**locals(), **fine_tuning})
     show_progress = not json_out and sys.stdout.isatty()

@@ -17,6 +17,7 @@ from zeroplan._util import InputError, atomic_write_text, validate_output_path
 from zeroplan.commands._common import (
     DEFAULT_MAX_NODES, Json, console, handle_errors, options_from, print_json, with_fine_tuning_options,
     with_plan_options,
+    read_files,
 )
 from zeroplan.options import ReportOptions
 
@@ -88,7 +89,7 @@ def report(
     from zeroplan.api import build_report
 
     to_stdout = _stdout_document(html, svg, json_out)
-    ins = {"--model": options["model"], "--hardware": options["hardware"], "--ds-config": options["ds_config"]}
+    ins = read_files(options["model"], options["hardware"], options["ds_config"], options)
     validate_output_path(None if html == "-" else html, option="--html", inputs=ins)
     validate_output_path(None if svg == "-" else svg, option="--svg",
                          inputs={**ins, "the --html output": None if html == "-" else html})

@@ -34,6 +34,7 @@ from zeroplan._util import InputError, ascii_digits
 __all__ = ["app", "main", "HELP_WIDTH"]
 
 HELP_WIDTH = 120
+MIN_COLUMNS = 40  # a COLUMNS below this is ignored (the terminal's own width, or 80 in a pipe, is used)
 
 
 def _error_line(msg: str) -> None:
@@ -224,10 +225,12 @@ def _drop_unreadable_terminal_size() -> None:
     """Rich reads ``COLUMNS``/``LINES`` with int() when ``str.isdigit()`` says they are digits, and
     int() raises for digits it cannot take ("²" is a digit to isdigit(); over 4,300 digits is
     CPython's limit). Such a value is dropped and the terminal's own size is used. A width that
-    parses is bounded where it matters (charts: report/charts.MAX_CHART_WIDTH)."""
+    parses is bounded where it matters (charts: report/charts.MAX_CHART_WIDTH). A width under
+    ``MIN_COLUMNS`` is dropped too: Rich renders nothing at all at 0 columns (not even an error line)
+    and empty table rows at a few."""
     for name in ("COLUMNS", "LINES"):
         value = os.environ.get(name, "")
-        if value.isdigit() and not ascii_digits(value, 9):
+        if value.isdigit() and (not ascii_digits(value, 9) or (name == "COLUMNS" and int(value) < MIN_COLUMNS)):
             del os.environ[name]
 
 

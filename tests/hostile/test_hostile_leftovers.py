@@ -187,6 +187,22 @@ def test_a_terminal_size_int_cannot_read_is_ignored(name, value):
     assert "llama-2-7b" in r.stdout
 
 
+@pytest.mark.parametrize("value", ["0", "00", "1", "39"])
+def test_a_width_no_table_fits_is_ignored(value):
+    """COLUMNS=0 made Rich print nothing: the estimate's table and the error line of a bad model were both
+    empty (exit 0 and exit 2 with no word said); a few columns gave empty table rows."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": value, "NO_COLOR": "1"}
+    run = [sys.executable, "-m", "zeroplan", "estimate", "-m"]
+    r = subprocess.run(run + ["llama-2-7b", "--stage", "3"], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert r.returncode == 0 and "ZeRO-3" in r.stdout and "peak" in r.stdout.lower(), r.stdout[-800:]
+    r = subprocess.run(run + ["no-such-model"], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert r.returncode == 2 and "no-such-model" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("value", ["abc", "1:", "1:nan", "-1:0.1", "1:1e9", f"{HUGE}:1", "\u00b2:1"])
 def test_a_bad_bench_delay_hook_is_one_line_before_any_rank(monkeypatch, value):
     """ZEROPLAN_BENCH_DELAY was parsed inside each rank: a typo was a ValueError in every rank (exit 1)."""

@@ -84,6 +84,20 @@ def test_check_prints_markup_and_escape_codes_from_config_keys_as_text(tmp_path,
     assert "\x1b" not in r.output
 
 
+def test_check_text_keeps_a_newline_in_a_key_or_file_name_on_its_line(tmp_path):
+    """A config key or a file name holding a newline printed it raw in the text report, so ``::error::...``
+    began a line of its own: a workflow command in a GitHub Actions log. Both are written as ``\\n`` now."""
+    d = tmp_path / "configs"
+    d.mkdir()
+    cfg = d / "a\n::error::name.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+                               "bad\n::error::key": 1}))
+    r = _cli(["check", str(cfg), "-m", "llama-2-7b", "-H", "dgx-h100"])
+    assert r.exit_code == 0, r.output[-800:]
+    assert not any(line.startswith("::") for line in r.output.splitlines())
+    assert "a\\n::error::name.json" in r.output and "[bad\\n::error::key]: bad\\n::error::key: unknown key" in r.output
+
+
 # ------------------------------------------------------------------- stdout closed or gone
 def test_a_closed_pipe_exits_141_quietly_not_1():
     """The reader is gone before the first byte (deterministic, unlike `| head -1`)."""

@@ -22,12 +22,12 @@ FORMATS = ("text", "json", "junit", "github")
 
 def render_check_text(con: Any, report: Any) -> None:
     """Findings grouped per file, with the plan's headline numbers."""
-    from zeroplan.report.render import esc, gb
+    from zeroplan.report.render import esc, esc_line, gb
 
     colors = {"error": "red", "warning": "yellow", "info": "cyan"}
     for f in report.files:
         verdict = "[green]PASS[/]" if f.verdict == "pass" else "[red]FAIL[/]"
-        head = f"{verdict} [bold]{esc(f.path)}[/]"
+        head = f"{verdict} [bold]{esc_line(f.path)}[/]"
         p = f.plan
         if p is not None:
             off = [x for x in (f"optimizer→{p.offload_optimizer}" if p.offload_optimizer != "none" else "",
@@ -40,7 +40,7 @@ def render_check_text(con: Any, report: Any) -> None:
             where = f"{f.path}:{x.line}" if x.line else f.path
             key = f" [{x.key}]" if x.key else ""
             con.print(f"  [{colors.get(x.severity, 'white')}]{x.severity:7}[/] {x.rule_id} "
-                      + esc(f"{where}{key}: {x.message}"), markup=True, highlight=False)
+                      + esc_line(f"{where}{key}: {x.message}"), markup=True, highlight=False)
     c = report.counts
     con.print(f"[bold]{report.verdict.upper()}[/]: {len(report.files)} config(s) for {esc(report.model)} on "
               f"{report.cluster.n_gpus} × {esc(report.cluster.gpu)} ({esc(report.hardware)}); {c['error']} error(s), "

@@ -12,7 +12,7 @@ from typing import Any
 from zeroplan._util import GiB, fmt_gb, fmt_gib, safe_text
 from zeroplan.report.charts import render_memory_bars, render_time_bars
 
-__all__ = ["render_estimate", "gb", "gb_gib", "render_findings", "seconds", "estimator_line", "rounded_parts", "esc"]
+__all__ = ["render_estimate", "gb", "gb_gib", "render_findings", "seconds", "estimator_line", "rounded_parts", "esc", "esc_line"]
 
 
 def esc(text: object) -> str:
@@ -22,6 +22,13 @@ def esc(text: object) -> str:
     from rich.markup import escape
 
     return escape(safe_text(str(text)))
+
+
+def esc_line(text: object) -> str:
+    """``esc`` for text that must stay on its line (a finding's file, key and message): line breaks and tabs
+    are written as ``\\n``, ``\\r`` and ``\\t``, so a key or file name holding a newline cannot start a line of
+    its own (``::error::`` in a GitHub Actions log is a workflow command)."""
+    return esc(str(text).replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t"))
 
 
 def gb(n: float | None) -> str:
@@ -93,7 +100,7 @@ def render_findings(con: Any, findings: list[Any]) -> None:
     colors = {"error": "red", "warning": "yellow", "info": "cyan"}
     for f in findings:
         where = f" [{f.key}]" if getattr(f, "key", "") else ""
-        con.print(f"[{colors.get(f.severity, 'white')}]{f.severity:7}[/] {f.rule_id}" + esc(f"{where}: {f.message}"),
+        con.print(f"[{colors.get(f.severity, 'white')}]{f.severity:7}[/] {f.rule_id}" + esc_line(f"{where}: {f.message}"),
                   markup=True, highlight=False)
 
 

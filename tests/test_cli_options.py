@@ -162,6 +162,17 @@ def test_bad_zeroplan_block_is_one_line(tmp_path):
     assert f"{path}:4:" in line and "zeroplan.seq_len = -3" in line and "positive integer" in line
 
 
+def test_a_typo_in_the_zeroplan_block_is_one_line_not_the_defaults(tmp_path):
+    """``seq_length`` for ``seq_len``: the block's unknown keys were skipped, so a 65,536-token plan ran at the
+    default 2,048 tokens without a word, --strict or not, and check judged the wrong sequence."""
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  "train_micro_batch_size_per_gpu": 1,\n  "zeroplan": {\n    "seq_length": 65536\n  }\n}\n')
+    line = one_error_line(invoke(["estimate", "-m", "7B", "--gpus", "8", "--ds-config", str(path)]))
+    assert f"{path}:4:" in line and "zeroplan.seq_length is not a key" in line and "seq_len" in line
+    r = invoke(["check", str(path), "-m", "7B", "-H", "dgx-h100", "--gpus", "8", "-f", "json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)["files"][0]["findings"][0]["rule_id"] == "ZP000"
+
+
 # ------------------------------------------------------------------ §2.7 schema and README keys
 def _resolve(schema: dict, node: dict, parts: list[str]) -> bool:
     defs = schema.get("$defs", {})

@@ -78,6 +78,9 @@ _META_CHECKS = {
 }
 
 
+_META_RECORD_ONLY = ("planned_for", "note")  # written by annotate_ds_config for the reader, not read back
+
+
 def _where(ds: DSConfig, key: str) -> str:
     """``file:line`` of a dotted key (``file`` alone when the line is unknown)."""
     if not ds.path:
@@ -98,6 +101,12 @@ def planning_metadata(ds: DSConfig) -> dict[str, Any]:
     if not isinstance(block, dict):
         raise InputError(f"{_where(ds, ZEROPLAN_KEY)}: {ZEROPLAN_KEY} = {block!r}: expected an object "
                          "(zeroplan's planning metadata)")
+    # what annotate_ds_config writes that planning does not read back: kept, not checked
+    unknown = [k for k in block if k not in _META_CHECKS and k not in _META_RECORD_ONLY]
+    if unknown:  # a typo ("seq_length") would plan the defaults without a word
+        key = unknown[0]
+        raise InputError(f"{_where(ds, f'{ZEROPLAN_KEY}.{key}')}: {ZEROPLAN_KEY}.{key} is not a key of zeroplan's "
+                         f"block; expected one of {', '.join(sorted([*_META_CHECKS, *_META_RECORD_ONLY]))}")
     out: dict[str, Any] = {}
     for key, (expected, ok) in _META_CHECKS.items():
         if key in block:

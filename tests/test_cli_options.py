@@ -340,3 +340,28 @@ def test_usage_error_from_the_console_script_is_one_line():
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("zeroplan: error: ") and p.stdout == ""
+
+
+def test_qlora_stage_3_advice_leads_somewhere():
+    """At the default fp32 precision the advice was "pass --quant-storage fp32", and following it gave "QLoRA
+    computes in bf16 or fp16": a circle. The precision is asked for first; then the storage that matches it,
+    and that plan runs."""
+    base = ["estimate", "-m", "llama-2-7b", "--method", "qlora", "-H", "dgx-h100", "--stage", "3"]
+    assert "give --precision bf16 or fp16" in one_error_line(invoke(base))
+    line = one_error_line(invoke([*base, "--precision", "bf16"]))
+    assert "pass --quant-storage bf16" in line
+    r = invoke([*base, "--precision", "bf16", "--quant-storage", "bf16"])
+    assert r.exit_code == 0, r.output[-600:]
+
+
+def test_a_lora_rank_of_zero_is_refused_not_full_fine_tuning():
+    line = one_error_line(invoke(["estimate", "-m", "llama-2-7b", "--lora-r", "0"]))  # planned full, silently
+    assert "--lora-r 0: expected a rank from 1 to 65536" in line
+
+
+def test_a_modules_to_save_name_that_matches_nothing_is_said():
+    """PEFT skips such a name (one list often serves several families: embed_tokens, lm_head; real PEFT's counts
+    in test_finetune_counts), so the plan does too, but says so: a typo no longer passes without a word."""
+    r = invoke(["estimate", "-m", "llama-2-7b", "--method", "lora", "--modules-to-save", "lm_head,bogus"])
+    assert r.exit_code == 0, r.output[-600:]
+    assert "--modules-to-save bogus: no module of llama-2-7b has that name; PEFT skips it" in r.output

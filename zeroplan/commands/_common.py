@@ -175,7 +175,7 @@ DoubleQuant = Annotated[bool, typer.Option(
     "--double-quant/--no-double-quant",
     help="4-bit: quantise the quantisation constants too (bnb_4bit_use_double_quant).")]
 QuantStorage = Annotated[Optional[str], typer.Option(
-    "--quant-storage", metavar="uint8|bf16|fp16", show_default="uint8",
+    "--quant-storage", metavar="uint8|bf16|fp16|fp32", show_default="uint8",
     help="bnb_4bit_quant_storage; ZeRO-3 needs the model dtype (bf16 for bf16 training).")]
 AccelerateConfig = Annotated[Optional[str], typer.Option(
     "--accelerate-config", metavar="YAML", show_default="none",

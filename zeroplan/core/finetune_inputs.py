@@ -96,6 +96,8 @@ def _fine_tune(spec: ModelSpec, o: FineTuneOptions) -> FineTune | None:
     if o.lora_alpha is not None and not (math.isfinite(o.lora_alpha) and o.lora_alpha > 0):
         raise InputError(f"--lora-alpha {o.lora_alpha}: expected a positive finite number (PEFT scales the adapter "
                          "output by alpha / r)")
+    if o.lora_r is not None and not 1 <= o.lora_r <= 1 << 16:  # before `given`, which takes 0 for unset
+        raise InputError(f"--lora-r {o.lora_r}: expected a rank from 1 to 65536")
     if not o.given:
         return o.from_file
     lora_given = o.lora_r or o.lora_alpha or o.lora_targets or o.dora or o.modules_to_save
@@ -120,8 +122,6 @@ def _fine_tune(spec: ModelSpec, o: FineTuneOptions) -> FineTune | None:
     if method == "lora" and (o.quant_bits is not None or o.quant_storage is not None):
         said = f"--quant-bits {o.quant_bits}" if o.quant_bits is not None else f"--quant-storage {o.quant_storage}"
         raise InputError(f"{said} with --method lora; quantised base weights are --method qlora")
-    if o.lora_r is not None and not 1 <= o.lora_r <= 1 << 16:
-        raise InputError(f"--lora-r {o.lora_r}: expected a rank from 1 to 65536")
     if o.lora_targets is None:
         targets: tuple[str, ...] | str = PEFT_DEFAULT_TARGETS.get(spec.model_type, ())
         if not targets:
@@ -147,6 +147,8 @@ def resolve_finetune(spec: ModelSpec, o: FineTuneOptions, precision: str, stages
     ft = _fine_tune(spec, o)
     if ft is None or ft.is_full:
         return None, stages
+    if ft.quant is not None and precision == "fp32":  # first: the storage advice below names the precision
+        raise InputError("QLoRA computes in bf16 or fp16; give --precision bf16 or fp16")
     if ft.quant is not None and 3 in stages:
         model_dtype = _DTYPE_OF_PRECISION[precision]
         why = None
@@ -160,10 +162,11 @@ def resolve_finetune(spec: ModelSpec, o: FineTuneOptions, precision: str, stages
                 raise InputError(f"--stage 3 with QLoRA: {why}")
             stages = [s for s in stages if s != 3]
             o.notes.append(f"stage 3 left out: {why}")
-    if ft.quant is not None and precision == "fp32":
-        raise InputError("QLoRA computes in bf16 or fp16; give --precision bf16 or fp16")
     compute = 4 if precision == "fp32" else 2
     views = finetune_views(spec, ft, compute_bytes=compute)
+    if views.inventory.unmatched_modules_to_save:
+        o.notes.append(f"--modules-to-save {','.join(views.inventory.unmatched_modules_to_save)}: no module of "
+                       f"{spec.name} has that name; PEFT skips it, so no copy of it is trained")
     o.notes.append(f"{views.inventory.method}: {views.inventory.trainable_params:,} trainable of "
                    f"{views.inventory.total_params:,} parameters")
     return views, stages

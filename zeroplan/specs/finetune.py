@@ -120,6 +120,7 @@ class FineTuneInventory(BaseModel):
     frozen_params: int  # base tensors with requires_grad=False (incl. originals of modules_to_save)
     adapter_params: int  # LoRA A/B (+ DoRA magnitudes)
     saved_copy_params: int  # trainable copies made by modules_to_save
+    unmatched_modules_to_save: list[str] = Field(default_factory=list)  # names that matched no module
     trainable_params: int  # trainable_base + adapter + saved copies
     total_params: int  # base + adapter + saved copies (what PEFT's all_param counts)
     adapted_modules: int
@@ -290,6 +291,9 @@ def finetune_inventory(spec: ModelSpec, ft: FineTune, compute_bytes: int = 2) ->
         by_target[key][0] += 1
         by_target[key][1] += n
         largest_trainable = max(largest_trainable, lora.r * max(fan_in, fan_out))
+    # PEFT skips a modules_to_save name that matches no module (one list serves several families:
+    # embed_tokens, lm_head); the plan does too, and says so (core/finetune_inputs.py)
+    missed = [m for m in saved_keys if not any(_saved(module, ts[0].role, (m,)) for module, ts in mods.items())]
     if lora is not None and adapted == 0 and not saved:
         raise InputError(f"--lora-targets {_fmt_targets(lora.targets)} match no module of {spec.name} "
                          f"(modules look like {next(iter(mods))!r})")
@@ -301,7 +305,7 @@ def finetune_inventory(spec: ModelSpec, ft: FineTune, compute_bytes: int = 2) ->
         method=ft.method, base_params=base, trainable_base_params=trainable_base,
         frozen_params=base - trainable_base, adapter_params=adapter, saved_copy_params=saved,
         trainable_params=trainable_base + adapter + saved, total_params=base + adapter + saved,
-        adapted_modules=adapted,
+        adapted_modules=adapted, unmatched_modules_to_save=missed,
         by_target=[TargetCount(target=k, modules=v[0], params=v[1]) for k, v in sorted(by_target.items())],
         largest_trainable_tensor=largest_trainable,
         trainable_tensors=[t for t in spec.tensors if t.tied_to is None and t.name in train_names] + copies,

@@ -243,3 +243,13 @@ def test_layers_and_experts_are_bounded_where_plans_stay_fast(tmp_path, key, val
 def test_a_bare_count_too_large_for_the_default_shapes_says_so():
     _rejected(_cli(["estimate", "-m", "1e14"]),
               "model size '1e14': the largest default shape (hidden 16384) would need 31,370 layers, beyond 4,096")
+
+
+@pytest.mark.parametrize("count", ["7", "1", "8000000"])
+def test_a_bare_count_no_default_shape_fits_says_so(count):
+    """``-m 7`` planned a 7-parameter model whose largest module had 8,192,000 (the default shape's embedding);
+    ``models show 1`` printed the shape's count as +1718758300.0% of it."""
+    for cmd in (["estimate", "-m", count], ["models", "show", count]):
+        _rejected(_cli(cmd), f"model size '{count}' = {int(count):,} parameter")
+    r = _cli(["estimate", "-m", "9000000"])  # within 2x of the smallest shape: planned, its notes say how far off
+    assert r.exit_code == 0, r.output[-400:]

@@ -64,6 +64,11 @@ def spec_from_count(text: str) -> ModelSpec:
     if layers > MAX_LAYERS:
         raise InputError(f"model size {text!r}: the largest default shape (hidden {h}) would need {layers:,} "
                          f"layers, beyond {MAX_LAYERS:,}; give a config.json for a model this large")
+    smallest = _shape_params(h, nh, kv, i, layers)
+    if smallest > 2 * n:  # the vocabulary's embeddings alone outweigh it: "7" for 7B, most likely
+        raise InputError(f"model size {text!r} = {n:,} parameter{'s' * (n != 1)}: the smallest default shape (hidden {h}, "
+                         f"{layers} layer, vocab {_COUNT_VOCAB}) has {smallest:,}, so no shape fits; a count is "
+                         "the whole model's (7B, 125M, 70e9), or give a config.json for a model this small")
     cfg = _shape_config(h, nh, kv, i, layers)
     fields, T, _ = _llama_like(_Cfg(cfg, f"count {text}"), "llama")
     shape_total = _shape_params(h, nh, kv, i, layers)

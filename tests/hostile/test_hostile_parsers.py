@@ -189,3 +189,21 @@ def test_differential_covers_both_outcomes(tmp_path):
 def test_duplicate_key_positions(text, line, col):
     with pytest.raises(InputError, match=f"line {line} column {col}: duplicate key 'a'"):
         parse_ds_json(text, "x.json")
+
+
+@pytest.mark.parametrize("flag,name,text,where", [
+    ("--hf-args", "args.json", '{"per_device_train_batch_size": 1, "bf16": true, "per_device_train_batch_size": 4}',
+     "args.json: not valid JSON (duplicate key 'per_device_train_batch_size')"),
+    ("--axolotl", "ax.yaml", "base_model: meta-llama/Llama-2-7b-hf\nmicro_batch_size: 1\nadapter: lora\n"
+     "lora_target_linear: true\nmicro_batch_size: 4\n", "ax.yaml:5:1: not valid YAML (duplicate key 'micro_batch_size')"),
+])
+def test_a_training_file_key_given_twice_is_refused(tmp_path, flag, name, text, where):
+    """The last of two values won silently (a DeepSpeed config's duplicates were already refused)."""
+    p = tmp_path / name
+    p.write_text(text)
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    r = CliRunner().invoke(app, ["estimate", "-m", "llama-2-7b", flag, str(p)])
+    assert r.exit_code == 2 and where in r.stderr and "Traceback" not in r.output, r.output[-400:]

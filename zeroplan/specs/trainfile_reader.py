@@ -1,5 +1,6 @@
 """What every training-file format shares: ``TrainingFile`` (what a file says about the run), the
-file read as a mapping (size bound; YAML with ``yaml.safe_load``, JSON with ``json``), ``_Reader``
+file read as a mapping (size bound; YAML with ``yaml.SafeLoader``, JSON with ``json``, a key given twice
+refused), ``_Reader``
 (typed key access that remembers which keys were used, unknown keys and typos refused) and the
 precision, storage-dtype and DeepSpeed-config-path readers the formats have in common.
 
@@ -45,13 +46,46 @@ class TrainingFile(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s object hook: a key given twice is an error (the last one won silently), as in
+    a DeepSpeed config (specs/ds_parse.py)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _yaml_loader() -> type:
+    """``yaml.SafeLoader`` that refuses a mapping key given twice (SafeLoader keeps the last silently)."""
+    import yaml
+
+    class _UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    dup = key in seen
+                except TypeError:  # an unhashable key: SafeLoader's own error follows
+                    break
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return _UniqueKeyLoader
+
+
 def _load_mapping(path: str | Path, what: str) -> dict[str, Any]:
     text = read_text_file(path, what)
     if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
         raise InputError(f"{path}: {what} is larger than {MAX_FILE_BYTES // 2**20} MiB")
     if str(path).endswith(".json") or text.lstrip().startswith("{"):
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
         except ValueError as exc:
             raise InputError(f"{path}: not valid JSON ({parse_error_text(exc)})") from None
         except RecursionError:
@@ -60,7 +94,7 @@ def _load_mapping(path: str | Path, what: str) -> dict[str, Any]:
         import yaml
 
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())  # SafeLoader: plain data, no Python objects
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""

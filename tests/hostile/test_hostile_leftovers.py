@@ -138,6 +138,20 @@ def test_nccl_log_records_numbers_nccl_cannot_log_are_skipped_and_said(tmp_path)
     assert len(timeouts) == 2 and all(i["timeout_ms"] is None for i in timeouts)
 
 
+def test_nccl_log_communicators_nccl_cannot_build_are_skipped_and_said(tmp_path):
+    """``nranks 99999999999999999999`` was reported as that many ranks (JSON too), and ``rank 99 nranks 8``
+    passed unremarked; both lines are skipped now, each named, and a sound communicator still counts."""
+    init = "h:1:1 [0] NCCL INFO comm 0x{p} rank {r} nranks {n} cudaDev 0 nvmlDev 0 busId 18000 commId 0x{p}{p} - Init COMPLETE"
+    log = tmp_path / "nccl.log"
+    log.write_text("\n".join([init.format(p="a", r=0, n="99999999999999999999"), init.format(p="b", r=99, n=8),
+                              init.format(p="c", r=1, n=8)]) + "\n")
+    r = _cli(["nccl-log", str(log), "--json"])
+    assert r.exit_code == 0, r.output[-800:]
+    summary = json.loads(r.output)["summary"]
+    assert summary["nranks"] == 8
+    assert sorted(i["line"] for i in summary["issues"] if i["kind"] == "skipped") == [1, 2]
+
+
 # ------------------------------------------------------------------- bench zero's per-rank work
 @pytest.mark.parametrize("args,needle", [
     (["--seq-len", "99999999"], "--seq-len 99,999,999 is beyond what bench zero runs: expected at most 16,777,216"),

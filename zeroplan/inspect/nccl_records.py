@@ -150,7 +150,7 @@ def _handle_record(st: _State, hdr: tuple[str, int, int, int, str], msg: str, li
         st.add_issue("warn", msg, line_no, host)
         return
 
-    if _traffic(st, hdr, msg, line_no) or _topology(st, hdr, msg) or _network(st, hdr, msg):
+    if _traffic(st, hdr, msg, line_no) or _topology(st, hdr, msg, line_no) or _network(st, hdr, msg):
         return
 
     if _VERSION.search(msg):
@@ -201,7 +201,7 @@ def _traffic(st: _State, hdr: tuple[str, int, int, int, str], msg: str, line_no:
     return False
 
 
-def _topology(st: _State, hdr: tuple[str, int, int, int, str], msg: str) -> bool:
+def _topology(st: _State, hdr: tuple[str, int, int, int, str], msg: str, line_no: int) -> bool:
     """Communicator set-up (Init, nRanks/nNodes), rings, trees and the channel totals."""
     host, pid, tid, dev, _ = hdr
     m = _RING.match(msg)
@@ -230,6 +230,11 @@ def _topology(st: _State, hdr: tuple[str, int, int, int, str], msg: str) -> bool
         key = m.group("commid") or st.comm_key_for_ptr(host, pid, ptr)
         st.ptr_to_comm[(host, pid, ptr)] = key
         rank, nranks = int(m.group("rank")), int(m.group("nranks"))
+        if not 1 <= nranks <= _MAX_NRANKS or rank >= nranks:  # a communicator NCCL would not have built
+            st.add_issue("skipped", f"communicator line with rank {_clip(f'{rank:,}')} of nranks {_clip(f'{nranks:,}')} "
+                                    f"skipped: expected nranks from 1 to {_MAX_NRANKS:,} and a rank below it", line_no,
+                         None if host == "?" else host)
+            return True
         st.thread_ctx[(host, pid, tid)] = st.thread_ctx[(host, pid, "dev", dev)] = (key, rank)
         c = st.comm(key)
         c["nranks"] = nranks
@@ -250,12 +255,18 @@ def _topology(st: _State, hdr: tuple[str, int, int, int, str], msg: str) -> bool
     if m:
         ptr = m.group("ptr")
         key = st.comm_key_for_ptr(host, pid, ptr)
-        st.thread_ctx[(host, pid, tid)] = st.thread_ctx[(host, pid, "dev", dev)] = (key, int(m.group("rank")))
+        rank, nranks = int(m.group("rank")), int(m.group("nranks"))
+        if not 1 <= nranks <= _MAX_NRANKS or rank >= nranks:
+            st.add_issue("skipped", f"communicator line with rank {_clip(f'{rank:,}')} of nRanks {_clip(f'{nranks:,}')} "
+                                    f"skipped: expected nRanks from 1 to {_MAX_NRANKS:,} and a rank below it", line_no,
+                         None if host == "?" else host)
+            return True
+        st.thread_ctx[(host, pid, tid)] = st.thread_ctx[(host, pid, "dev", dev)] = (key, rank)
         c = st.comm(key)
-        c["nranks"] = int(m.group("nranks"))
+        c["nranks"] = nranks
         c["nnodes"] = int(m.group("nnodes"))
         c["local_ranks"] = int(m.group("lranks"))
-        c["ranks"].add(int(m.group("rank")))
+        c["ranks"].add(rank)
         c["hosts"].add(host)
         return True
 

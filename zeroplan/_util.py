@@ -41,6 +41,7 @@ __all__ = [
     "safe_text",
     "atomic_write_files",
     "expand_path",
+    "data_kind",
     "remove_live_temps",
 ]
 
@@ -84,6 +85,26 @@ def safe_text(text: str) -> str:
     text = _ANSI_RE.sub("", str(text))
     text = _CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
     return _SURROGATE_RE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def data_kind(value: object) -> str:
+    """What a parsed JSON/YAML value is, in the file's words (null, a number, a string, a list, an object),
+    not Python's type names (NoneType, int, str)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a fractional number" if math.isfinite(value) and value != int(value) else "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__  # a YAML date or set
 
 
 def expand_path(path: str | os.PathLike) -> str:

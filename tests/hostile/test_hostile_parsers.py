@@ -207,3 +207,10 @@ def test_a_training_file_key_given_twice_is_refused(tmp_path, flag, name, text, 
 
     r = CliRunner().invoke(app, ["estimate", "-m", "llama-2-7b", flag, str(p)])
     assert r.exit_code == 2 and where in r.stderr and "Traceback" not in r.output, r.output[-400:]
+
+
+@pytest.mark.parametrize("text,kind", [("null", "null"), ("42", "an integer"), ('"s"', "a string"), ("[1]", "a list")])
+def test_a_top_level_that_is_not_an_object_is_named_in_json_words(text, kind):
+    """"top level is a JSON NoneType" (and int, str): Python's type names, where the file says null, 42, "s"."""
+    with pytest.raises(InputError, match=f"x.json: top level is {kind}, expected an object"):
+        parse_ds_json(text, "x.json")

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from zeroplan._util import InputError
+from zeroplan._util import InputError, data_kind
 from zeroplan.specs.ds_schema import DEEPSPEED_VERSION, OffloadDevice
 from zeroplan.specs.findings import Finding
 
@@ -140,22 +140,7 @@ class _Reader:
         return coerced
 
 
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, int):
-        return "an integer"
-    if isinstance(v, float):
-        return "a fractional number" if math.isfinite(v) and v != int(v) else "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "a list"
-    if isinstance(v, dict):
-        return "an object"
-    return type(v).__name__
+_json_type = data_kind  # _util.data_kind: the value's kind in JSON's words
 
 
 def _field_spec(model: type[BaseModel], name: str) -> tuple[Any, list[Any], Any]:

@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Any
 
-from zeroplan._util import InputError
+from zeroplan._util import InputError, data_kind
 from zeroplan.specs.config_lines import find_key_line, key_lines
 
 __all__ = ["parse_ds_json"]
@@ -135,7 +135,7 @@ def parse_ds_json(text: str, where: str = "<config>") -> tuple[dict[str, Any], b
     _check_number_range(data, where, text)
     if not isinstance(data, dict):
         raise InputError(
-            f"{where}: top level is a JSON {type(data).__name__}, expected an object "
+            f"{where}: top level is {data_kind(data)}, expected an object "
             "such as {\"zero_optimization\": {...}}")
     return data, not _strict_json(text)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from zeroplan._util import InputError, parse_error_text, read_text_file
+from zeroplan._util import InputError, data_kind, parse_error_text, read_text_file
 from zeroplan.specs.finetune import FineTune
 
 MAX_FILE_BYTES = 4 * 1024 * 1024
@@ -104,7 +104,7 @@ def _load_mapping(path: str | Path, what: str) -> dict[str, Any]:
         except ValueError as exc:  # yaml's int() of a number of over 4,300 digits
             raise InputError(f"{path}: not valid YAML ({parse_error_text(exc)})") from None
     if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a mapping of keys to values at the top level, got {type(data).__name__}")
+        raise InputError(f"{path}: expected a mapping of keys to values at the top level, got {data_kind(data)}")
     return data
 
 

@@ -253,3 +253,10 @@ def test_a_bare_count_no_default_shape_fits_says_so(count):
         _rejected(_cli(cmd), f"model size '{count}' = {int(count):,} parameter")
     r = _cli(["estimate", "-m", "9000000"])  # within 2x of the smallest shape: planned, its notes say how far off
     assert r.exit_code == 0, r.output[-400:]
+
+
+@pytest.mark.parametrize("hardware", [[], ["-H", "dgx-h100"]])
+def test_too_many_gpus_says_the_cap_before_any_node_arithmetic(hardware):
+    """With a profile, --gpus 10^26 said 'not divisible by 8 GPUs per node' instead of the cap."""
+    _rejected(_cli(["estimate", "-m", "llama-2-7b", "--gpus", "9" * 26, *hardware]),
+              "zeroplan plans clusters of up to 131,072 data-parallel GPUs")

@@ -99,12 +99,18 @@ def zero_for_stage(inp: PlanInputs, stage: int) -> ZeroConfig:
     return zero
 
 
+def _refuse_too_many_gpus(n_gpus: int) -> None:
+    if n_gpus > MAX_GPUS:
+        raise InputError(f"{n_gpus:,} GPUs: zeroplan plans clusters of up to {MAX_GPUS:,} data-parallel GPUs "
+                         "(the stage-1/2 bucket ledger is linear in the GPU count)")
 
 
 def _cluster_shape(gpus: int | None, nodes: int | None, gpus_per_node: int | None, hw: HardwareProfile | None,
                    assumptions: list[str]) -> tuple[int, int, int]:
     """(GPUs, GPUs per node, nodes) from the options and the hardware profile."""
     gpn = gpus_per_node or (hw.node.gpus_per_node if hw is not None else None)
+    if gpus is not None:  # the cap first: a count this large is not worth a divisibility hint
+        _refuse_too_many_gpus(gpus)
     if gpus is not None and nodes is not None:
         gpn = gpn or max(1, gpus // nodes)
         if gpus != nodes * gpn:
@@ -125,9 +131,7 @@ def _cluster_shape(gpus: int | None, nodes: int | None, gpus_per_node: int | Non
         n_gpus = gpn or 8
         gpn = gpn or 8
         assumptions.append(f"no --gpus/--nodes given: one node of {n_gpus} GPUs")
-    if n_gpus > MAX_GPUS:
-        raise InputError(f"{n_gpus:,} GPUs: zeroplan plans clusters of up to {MAX_GPUS:,} data-parallel GPUs "
-                         "(the stage-1/2 bucket ledger is linear in the GPU count)")
+    _refuse_too_many_gpus(n_gpus)
     gpn = min(gpn, n_gpus)
     n_nodes = -(-n_gpus // gpn)
     return n_gpus, gpn, n_nodes

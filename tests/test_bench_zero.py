@@ -67,9 +67,9 @@ def test_cli_table_paper_flavour_and_simulate(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["--stage", "7"], ["--comm-model", "ring"], ["--precision", "fp8"],
-                                  ["--micro-batch", "0"], ["--memory-limit", "lots"]])
+                                  ["--micro-batch", "0"], ["--memory-limit", "lots"], ["--gpus", "4"]])
 def test_cli_bad_input_exit_2(args):
-    r = _invoke(["bench", "zero", "--model", "gpt2", "--nproc", "2", *args])
+    r = _invoke(["bench", "zero", "--model", "gpt2", "--nproc", "2", *args])  # --gpus without --simulate was ignored
     assert r.exit_code == 2, r.output
 
 

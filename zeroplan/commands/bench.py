@@ -319,6 +319,9 @@ def zero(
     --method lora / --lora-r / --lora-targets / --trainable: both engines train LoRA adapters (or
     the matching tensors) on a frozen base, and the prediction plans the same fine-tuning.
     """
+    if gpus is not None and not simulate:  # it was ignored: --nproc sets the ranks that really run
+        raise InputError(f"--gpus {gpus} is the world size --simulate traces one rank of; without --simulate "
+                         "the ranks that run are --nproc")
     require_torch("bench zero")
     from zeroplan.runtime.launch import check_gpus_for, resolve_backend, under_torchrun
     from zeroplan.runtime.torchrun import check_timeout

@@ -7,6 +7,7 @@ nvidia-smi totals) and unit arithmetic done independently of zeroplan's code.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -306,6 +307,15 @@ def test_wrong_type_names_key_value_and_expected(tmp_path):
     text = _dump_raw(_raw("h100-8x-ib400")).replace("cpu_cores = 112", "cpu_cores = true")
     with pytest.raises(InputError, match="node.cpu_cores = true"):
         load_profile(str(_write(tmp_path, text, "bool.toml")))
+
+
+@pytest.mark.parametrize("value,expected", [("ring", " = 'ring' is invalid; expected a list"),
+                                            (["ring", 3], ".1 = 3 is invalid; expected a string")])
+def test_algorithms_of_the_wrong_type_say_what_was_expected(tmp_path, value, expected):
+    """A string for the list said "expected Input should be a valid list" (pydantic's message pasted in)."""
+    f = _user_file(tmp_path, lambda r: r["intra_node"].update(algorithms=value))
+    with pytest.raises(InputError, match=re.escape(f"intra_node.algorithms{expected}")):
+        load_profile(str(f))
 
 
 @pytest.mark.parametrize(

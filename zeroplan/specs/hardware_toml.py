@@ -26,6 +26,15 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc)
 
 
+def _expected_from_msg(msg: str) -> str:
+    """pydantic's message as what was expected: "Input should be a valid list" -> "a valid list";
+    "Value error, ..." -> what follows the comma."""
+    for lead in ("Input should be ", "Value error, "):
+        if msg.startswith(lead):
+            return msg[len(lead):]
+    return msg or "a valid value"
+
+
 def _translate(exc: ValidationError, where: str, data: dict[str, Any]) -> InputError:
     """One line for the first pydantic error: file, key path, value, expected."""
     err = exc.errors(include_url=False)[0]
@@ -52,8 +61,8 @@ def _translate(exc: ValidationError, where: str, data: dict[str, Any]) -> InputE
     expected = {
         "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer (no fraction)",
         "float_type": "a number", "float_parsing": "a number", "string_type": "a string",
-        "dict_type": "a table", "model_type": "a table", "bool_type": "true or false",
-    }.get(kind, err.get("msg", "a valid value"))
+        "dict_type": "a table", "model_type": "a table", "bool_type": "true or false", "list_type": "a list",
+    }.get(kind) or _expected_from_msg(str(err.get("msg", "")))
     return InputError(f"{where}: key {key} = {shown} is invalid; expected {expected}")
 
 

@@ -453,3 +453,11 @@ def test_closed_pipe_exits_quietly():
     err = proc.stderr.read().decode()
     proc.wait(timeout=60)
     assert "Traceback" not in err and proc.returncode in (0, 1, 141), (proc.returncode, err)
+
+
+def test_bench_output_naming_the_save_profile_calls_it_an_output(tmp_path):
+    """It called --save-profile 'the input --save-profile'; both are files the command writes."""
+    p = tmp_path / "same.json"
+    msg = one_line_exit_2(runner.invoke(app, ["bench", "collectives", "--save-profile", str(p), "--output", str(p)]))
+    assert "is the same file as the --save-profile output" in msg and "input" not in msg
+    assert not p.exists()

@@ -71,7 +71,8 @@ def check_profile_paths(save_profile: str | None, output: str | None, hardware: 
     writable and name no input, and --save-profile has a --hardware base for ``fields`` (InputError,
     exit 2)."""
     validate_output_path(save_profile, option="--save-profile", inputs={"--hardware": hardware})
-    validate_output_path(output, option="--output", inputs={"--hardware": hardware, "--save-profile": save_profile})
+    validate_output_path(output, option="--output", inputs={"--hardware": hardware,
+                                                            "the --save-profile output": save_profile})
     if save_profile is not None and hardware is None:
         raise InputError(f"--save-profile needs --hardware BASE (a profile name or TOML path) for {fields}")
 

@@ -112,7 +112,7 @@ def _fine_tune(spec: ModelSpec, o: FineTuneOptions) -> FineTune | None:
                         ("--dora", o.dora or None), ("--modules-to-save", o.modules_to_save),
                         ("--quant-bits", o.quant_bits), ("--quant-storage", o.quant_storage)):
             if v is not None:
-                shown = "" if v is True else f" {v}"
+                shown = "" if v is True else f" {v if str(v).strip() else repr(v)}"  # --lora-targets '' shows ''
                 raise InputError(f"{name}{shown} with --method full; LoRA settings need --method lora or qlora")
         return FineTune(trainable=_names(o.trainable)) if o.trainable else None
     if method == "qlora" and o.quant_bits is None:

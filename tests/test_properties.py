@@ -37,6 +37,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from zeroplan._util import InputError
 from zeroplan.cli import app
 from zeroplan.core.layout import build_layout
 from zeroplan.core.plan import EstimateResult, Plan, evaluate
@@ -142,9 +143,17 @@ def test_memory_categories_are_non_negative_integers_that_add_up(m, training, n,
 
 
 @pytest.mark.parametrize("count", [1, 100, 10_000, 1_000_000])
+def test_a_bare_count_far_below_the_default_shapes_is_refused(count):
+    """Counts under half the smallest default shape (17,187,584 parameters) once gave negative stage-3 bytes
+    (fixed in 99cad77), then a plan of, e.g., 7 parameters around an 8,192,000-parameter embedding: refused."""
+    with pytest.raises(InputError, match="no shape fits"):
+        load_model(str(count))
+
+
+@pytest.mark.parametrize("count", [8_600_000, 10_000_000, 17_000_000, 100_000_000])
 def test_every_bare_count_gives_non_negative_bytes(count):
     """Regression (found by this battery, fixed in 99cad77): counts below the default shape's size
-    once gave negative stage-3 bytes."""
+    once gave negative stage-3 bytes (those far below it are refused now, above)."""
     spec = load_model(str(count))
     n = 8
     for stage in range(4):

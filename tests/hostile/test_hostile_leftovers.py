@@ -201,7 +201,7 @@ def test_a_terminal_size_int_cannot_read_is_ignored(name, value):
     assert "llama-2-7b" in r.stdout
 
 
-@pytest.mark.parametrize("value", ["0", "00", "1", "39"])
+@pytest.mark.parametrize("value", ["0", "39"])
 def test_a_width_no_table_fits_is_ignored(value):
     """COLUMNS=0 made Rich print nothing: the estimate's table and the error line of a bad model were both
     empty (exit 0 and exit 2 with no word said); a few columns gave empty table rows."""

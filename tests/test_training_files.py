@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,23 @@ def test_bad_training_files_are_one_line_input_errors(tmp_path, fmt, text, needl
         read_training_file(fmt, p)
     msg = str(exc.value)
     assert needle in msg and "\n" not in msg and str(p) in msg
+
+
+def test_an_inline_deepspeed_config_is_named_by_its_file_not_printed(tmp_path):
+    """An inline ``deepspeed`` object of an HF Trainer arguments file was named "<config>" in its errors, and its
+    whole dict was printed in notes ("seq len 1024 from {'zero_optimization': ...}")."""
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    args = tmp_path / "args.json"
+    ds = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}, "zeroplan": {"seq_len": 1024}}
+    args.write_text(json.dumps({"per_device_train_batch_size": 1, "bf16": True, "deepspeed": ds}))
+    r = CliRunner().invoke(app, ["estimate", "-m", "llama-2-7b", "--hf-args", str(args)])
+    assert r.exit_code == 0, r.output[-600:]
+    assert f"seq len 1024 from {args}: its inline DeepSpeed config: zeroplan.seq_len" in " ".join(r.output.split())
+    assert "{'zero_optimization'" not in r.output
+    ds["zero_optimization"]["stage"] = "three"
+    args.write_text(json.dumps({"per_device_train_batch_size": 1, "bf16": True, "deepspeed": ds}))
+    r = CliRunner().invoke(app, ["estimate", "-m", "llama-2-7b", "--hf-args", str(args)])
+    assert r.exit_code == 2 and f"{args}: its inline DeepSpeed config: DS003 zero_optimization.stage" in r.stderr

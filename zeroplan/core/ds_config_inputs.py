@@ -84,7 +84,7 @@ _META_RECORD_ONLY = ("planned_for", "note")  # written by annotate_ds_config for
 def _where(ds: DSConfig, key: str) -> str:
     """``file:line`` of a dotted key (``file`` alone when the line is unknown)."""
     if not ds.path:
-        return "<config>"
+        return ds.label or "<config>"
     line = None
     try:
         line = find_key_line(key_lines(read_text_file(ds.path, "DeepSpeed config")), key)
@@ -163,7 +163,7 @@ def refuse_ds_errors(ds: DSConfig | None) -> None:
     if ds is None or not ds.errors:
         return
     first = ds.errors[0]
-    where = _where(ds, first.key) if first.key else (ds.path or "<config>")
+    where = _where(ds, first.key) if first.key else (ds.path or ds.label or "<config>")
     msg = _FALLBACK.sub("", first.message).rstrip("; ")
     more = f" (and {len(ds.errors) - 1} more error(s); `zeroplan check` lists them)" if len(ds.errors) > 1 else ""
     raise InputError(f"{where}: {first.rule_id} {msg}; DeepSpeed {DEEPSPEED_VERSION} refuses this config "

@@ -254,8 +254,8 @@ def _kernels(training: TrainingSetup, option: str | None, meta: dict[str, Any], 
     return training.model_copy(update={"kernels": kernels})
 
 
-def _load_config(ds_config: str | None, *, strict: bool, spec: ModelSpec, precision: str | None,
-                 micro_batch: int | None, grad_accum: int | None, n_gpus: int) -> DSConfig | None:
+def _load_config(ds_config: str | dict[str, Any] | None, *, strict: bool, spec: ModelSpec, precision: str | None,
+                 micro_batch: int | None, grad_accum: int | None, n_gpus: int, label: str) -> DSConfig | None:
     """The DeepSpeed config read as DeepSpeed would see it on this cluster (None: no config)."""
     ds = None
     if ds_config is not None:
@@ -264,7 +264,7 @@ def _load_config(ds_config: str | None, *, strict: bool, spec: ModelSpec, precis
         from zeroplan.specs.ds_reader import load_ds_config  # the reader, only when a config is read
 
         ds = load_ds_config(ds_config, strict=strict, hidden_size=spec.hidden_size, micro_batch=micro_batch,
-                            grad_accum=grad_accum, world_size=n_gpus, precision=precision)
+                            grad_accum=grad_accum, world_size=n_gpus, precision=precision, label=label)
     return ds
 
 
@@ -361,25 +361,28 @@ def build_plan_inputs(
 
     n_gpus, gpn, n_nodes = _cluster_shape(gpus, nodes, gpus_per_node, hw, assumptions)
 
+    # how messages name the config: its path, or where an inline one came from (never the object itself)
+    ds_label = ds_config if not isinstance(ds_config, dict) else (
+        f"{tf.source}: its inline DeepSpeed config" if tf is not None else "<config dict>")
     ds = _load_config(ds_config, strict=strict, spec=spec, precision=precision, micro_batch=micro_batch,
-                      grad_accum=grad_accum, n_gpus=n_gpus)
+                      grad_accum=grad_accum, n_gpus=n_gpus, label=str(ds_label))
     meta = planning_metadata(ds) if ds is not None else {}
-    seq_len, checkpointing, flash_attention = _from_metadata(meta, ds_config, seq_len, checkpointing, flash_attention,
+    seq_len, checkpointing, flash_attention = _from_metadata(meta, ds_label, seq_len, checkpointing, flash_attention,
                                                             assumptions)
 
     training = _training_setup(precision=precision, optimizer=optimizer, micro_batch=micro_batch,
                                grad_accum=grad_accum, seq_len=seq_len, checkpointing=checkpointing,
                                flash_attention=flash_attention, optimizer_impl=optimizer_impl,
-                               expandable_segments=expandable_segments, ds=ds, ds_config=ds_config,
+                               expandable_segments=expandable_segments, ds=ds, ds_config=ds_label,
                                assumptions=assumptions)
-    training = _kernels(_activation_code(training, activations, meta, ds, ds_config, assumptions), kernels, meta,
-                        ds_config, tf, assumptions)
+    training = _kernels(_activation_code(training, activations, meta, ds, ds_label, assumptions), kernels, meta,
+                        ds_label, tf, assumptions)
 
     stages = _stages(stage_list, ds)
     assumptions.extend(unused_offload_notes(stages, offload_optimizer, offload_param))
     if spec.approximate:
         assumptions.extend(spec.notes)
-    file_notes += fill_from_record(ft_opts, meta.get("finetune"), str(ds_config))
+    file_notes += fill_from_record(ft_opts, meta.get("finetune"), str(ds_label))
     views, stages = resolve_finetune(spec, ft_opts, training.precision.name, stages,
                                      stage_explicit=bool(stage_list) or ds is not None)
     if not stages:

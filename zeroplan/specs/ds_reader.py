@@ -76,7 +76,7 @@ def _check_allreduce_op(r: _Reader, raw: dict[str, Any], zero: ZeroConfig) -> No
 def load_ds_config(source: str | Path | dict, *, strict: bool = False,
                    hidden_size: int | None = None, micro_batch: int | None = None,
                    grad_accum: int | None = None, world_size: int | None = None,
-                   precision: str | None = None) -> DSConfig:
+                   precision: str | None = None, label: str | None = None) -> DSConfig:
     """Read a DeepSpeed config (path, JSON text starting with ``{``, or a dict).
 
     ``hidden_size`` resolves the HF "auto" bucket keys; ``micro_batch`` / ``grad_accum`` /
@@ -84,18 +84,19 @@ def load_ds_config(source: str | Path | dict, *, strict: bool = False,
     fill-in and consistency check; ``precision`` ("fp16"/"bf16"/"fp32") resolves
     ``fp16/bf16.enabled: "auto"``. Non-strict: every problem is a Finding and unusable values
     fall back to DeepSpeed's default. Strict: errors (and DS001/DS003/DS004) raise InputError.
-    Malformed JSON always raises InputError with file, line and column.
+    Malformed JSON always raises InputError with file, line and column. ``label`` names a config that is
+    not a file in messages (an inline ``deepspeed`` object of a training file).
     """
     path: str | None = None
     used_ext = False
     if isinstance(source, dict):
-        where = "<config dict>"
+        where = label or "<config dict>"
         try:  # a deep copy that also makes it JSON-shaped (string keys, lists), as a file would be
             raw = json.loads(json.dumps(source, allow_nan=True))
         except (TypeError, ValueError, RecursionError) as exc:
             raise InputError(f"{where}: not JSON-serialisable: {exc}") from None
     elif isinstance(source, str) and source.lstrip().startswith("{"):
-        where = "<config text>"
+        where = label or "<config text>"
         raw, used_ext = parse_ds_json(source, where)
     elif isinstance(source, (str, Path)):
         path = str(source)
@@ -130,7 +131,7 @@ def load_ds_config(source: str | Path | dict, *, strict: bool = False,
     _check_hpz(r, zero, world_size)
     r.raise_if_strict()
     return DSConfig(
-        path=path, raw=raw, zero=zero, precision=prec, precision_source=prec_source,
+        path=path, label=None if path else where, raw=raw, zero=zero, precision=prec, precision_source=prec_source,
         optimizer_type=opt_type, optimizer_params=opt_params, gradient_clipping=clipping,
         train_batch_size=tb, micro_batch=mb, grad_accum=gas, communication_data_type=comm,
         activation_checkpointing=act_ckpt, auto_resolved=r.auto, findings=r.findings,

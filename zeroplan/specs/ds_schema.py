@@ -229,6 +229,7 @@ class DSConfig(BaseModel):
     model_config = ConfigDict(defer_build=True)
 
     path: str | None = None
+    label: str | None = None  # where a config that is not a file came from ("args.json: deepspeed")
     raw: dict[str, Any]
     zero: ZeroConfig
     precision: Literal["fp32", "bf16", "fp16"]

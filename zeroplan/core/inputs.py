@@ -254,6 +254,14 @@ def _kernels(training: TrainingSetup, option: str | None, meta: dict[str, Any], 
     return training.model_copy(update={"kernels": kernels})
 
 
+def _config_label(ds_config: str | dict[str, Any] | None, tf: TrainingFile | None) -> str:
+    """How messages name the DeepSpeed config: its path, or where an inline one came from (a training file's
+    ``deepspeed`` object), never the object itself."""
+    if not isinstance(ds_config, dict):
+        return str(ds_config)
+    return f"{tf.source}: its inline DeepSpeed config" if tf is not None else "<config dict>"
+
+
 def _load_config(ds_config: str | dict[str, Any] | None, *, strict: bool, spec: ModelSpec, precision: str | None,
                  micro_batch: int | None, grad_accum: int | None, n_gpus: int, label: str) -> DSConfig | None:
     """The DeepSpeed config read as DeepSpeed would see it on this cluster (None: no config)."""
@@ -358,14 +366,11 @@ def build_plan_inputs(
     spec = load_model(model)
     hw = _load_hardware(hardware)
     assumptions: list[str] = []
-
     n_gpus, gpn, n_nodes = _cluster_shape(gpus, nodes, gpus_per_node, hw, assumptions)
 
-    # how messages name the config: its path, or where an inline one came from (never the object itself)
-    ds_label = ds_config if not isinstance(ds_config, dict) else (
-        f"{tf.source}: its inline DeepSpeed config" if tf is not None else "<config dict>")
+    ds_label = _config_label(ds_config, tf)
     ds = _load_config(ds_config, strict=strict, spec=spec, precision=precision, micro_batch=micro_batch,
-                      grad_accum=grad_accum, n_gpus=n_gpus, label=str(ds_label))
+                      grad_accum=grad_accum, n_gpus=n_gpus, label=ds_label)
     meta = planning_metadata(ds) if ds is not None else {}
     seq_len, checkpointing, flash_attention = _from_metadata(meta, ds_label, seq_len, checkpointing, flash_attention,
                                                             assumptions)

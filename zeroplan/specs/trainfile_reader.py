@@ -10,6 +10,7 @@ The formats themselves live in specs/trainfile_*.py; specs/training_files.py is 
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from zeroplan._util import InputError, data_kind, parse_error_text, read_text_file
+from zeroplan.specs.ds_parse import _DuplicateKey, _no_duplicates
 from zeroplan.specs.finetune import FineTune
 
 MAX_FILE_BYTES = 4 * 1024 * 1024
@@ -46,17 +48,7 @@ class TrainingFile(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads``'s object hook: a key given twice is an error (the last one won silently), as in
-    a DeepSpeed config (specs/ds_parse.py)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
+@functools.lru_cache(maxsize=1)
 def _yaml_loader() -> type:
     """``yaml.SafeLoader`` that refuses a mapping key given twice (SafeLoader keeps the last silently)."""
     import yaml
@@ -84,8 +76,10 @@ def _load_mapping(path: str | Path, what: str) -> dict[str, Any]:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
         raise InputError(f"{path}: {what} is larger than {MAX_FILE_BYTES // 2**20} MiB")
     if str(path).endswith(".json") or text.lstrip().startswith("{"):
-        try:
-            data = json.loads(text, object_pairs_hook=_unique_pairs)
+        try:  # a key given twice is refused, as in a DeepSpeed config (the last one would win silently)
+            data = json.loads(text, object_pairs_hook=_no_duplicates)
+        except _DuplicateKey as exc:
+            raise InputError(f"{path}: not valid JSON (duplicate key {exc.args[0]!r})") from None
         except ValueError as exc:
             raise InputError(f"{path}: not valid JSON ({parse_error_text(exc)})") from None
         except RecursionError:

@@ -66,7 +66,6 @@ from zeroplan.specs.ds_findings import (  # noqa: F401
     _field_spec,
     _fmt,
     _is_auto,
-    _json_type,
     _Reader,
 )
 from zeroplan.specs.ds_keys import (  # noqa: F401

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zeroplan.specs.ds_findings import _fmt, _is_auto, _json_type, _Reader
+from zeroplan._util import data_kind
+from zeroplan.specs.ds_findings import _fmt, _is_auto, _Reader
 from zeroplan.specs.ds_keys import _BATCH_KEYS, _BF16_FIELDS, _FP16_FIELDS, _Field
 from zeroplan.specs.ds_schema import DEEPSPEED_VERSION
 from zeroplan.specs.ds_shapes import check_data_types
@@ -27,12 +28,12 @@ def _read_int_key(r: _Reader, key: str, raw: Any) -> int | None:
         return _read_bool_batch_key(r, key, raw)
     if not isinstance(raw, (int, float)):
         r.add("DS003", "error", key, f"{key} = {_fmt(raw)}: expected a positive integer, got "
-              f"{_json_type(raw)}", raw)
+              f"{data_kind(raw)}", raw)
         return None
     if isinstance(raw, float):
         if not math.isfinite(raw) or raw != int(raw):
             r.add("DS004", "error", key, f"{key} = {_fmt(raw)}: expected a positive integer, got "
-                  f"{_json_type(raw)}", raw)
+                  f"{data_kind(raw)}", raw)
             return None
         raw = int(raw)
     if raw <= 0:

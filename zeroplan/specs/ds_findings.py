@@ -1,15 +1,14 @@
 """What the DeepSpeed config reader reports and how it types a value: ``_Reader`` collects the
 findings (rule ID, severity, dotted key; ``strict`` turns DS001/DS003/DS004 into errors and raises
 on errors) and validates a value the way DeepSpeed's pydantic field would (lax coercion reported),
-with the small helpers every section reader shares (``_fmt``, ``_json_type``, ``_is_auto``,
-``_field_spec``).
+with the small helpers every section reader shares (``_fmt``, ``_is_auto``, ``_field_spec``; a value's
+kind in JSON's words is ``_util.data_kind``).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import math
 from typing import Annotated, Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -127,7 +126,7 @@ class _Reader:
             else:
                 self.add("DS003", "error", key,
                          f"{key} = {_fmt(raw)}: expected {expected}, got "
-                         f"{_json_type(raw)}; DeepSpeed rejects it; using the default "
+                         f"{data_kind(raw)}; DeepSpeed rejects it; using the default "
                          f"{_fmt(default)}", raw)
             return default
         # Accepted by lax mode only. Integral floats for int fields are DeepSpeed's documented
@@ -135,12 +134,9 @@ class _Reader:
         if isinstance(raw, float) and not isinstance(raw, bool) and annotation is int:
             return coerced
         self.add("DS003", "warning", key,
-                 f"{key} = {_fmt(raw)}: expected {expected}, got {_json_type(raw)}; DeepSpeed "
+                 f"{key} = {_fmt(raw)}: expected {expected}, got {data_kind(raw)}; DeepSpeed "
                  f"coerces it to {_fmt(coerced)}; write {_fmt(coerced)} instead", raw)
         return coerced
-
-
-_json_type = data_kind  # _util.data_kind: the value's kind in JSON's words
 
 
 def _field_spec(model: type[BaseModel], name: str) -> tuple[Any, list[Any], Any]:

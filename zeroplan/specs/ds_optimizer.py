@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zeroplan.specs.ds_findings import _fmt, _is_auto, _json_type, _Reader
+from zeroplan._util import data_kind
+from zeroplan.specs.ds_findings import _fmt, _is_auto, _Reader
 from zeroplan.specs.ds_keys import _DS_OPTIMIZERS, _OPTIMIZER_KEYS, _SCHEDULER_KEYS
 from zeroplan.specs.ds_schema import DEEPSPEED_VERSION, DSConfig
 
@@ -108,7 +109,7 @@ def _read_clipping(r: _Reader, raw: dict[str, Any]) -> float:
         return 0.0
     if not isinstance(v, (int, float)):
         r.add("DS003", "error", "gradient_clipping",
-              f"gradient_clipping = {_fmt(v)}: expected a number >= 0 (0 = off), got {_json_type(v)}; "
+              f"gradient_clipping = {_fmt(v)}: expected a number >= 0 (0 = off), got {data_kind(v)}; "
               f"DeepSpeedConfig and deepspeed.initialize ({DEEPSPEED_VERSION}) accept it (get_gradient_clipping "
               "keeps it as given), but training fails at the first engine.step(): "
               "DeepSpeedEngine._take_model_step compares it with > 0.0 (TypeError); zeroplan plans with 0 (off)", v)

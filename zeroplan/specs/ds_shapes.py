@@ -27,7 +27,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
-from zeroplan.specs.ds_findings import _fmt, _is_auto, _json_type, _Reader
+from zeroplan._util import data_kind
+from zeroplan.specs.ds_findings import _fmt, _is_auto, _Reader
 from zeroplan.specs.ds_keys import _DATA_TYPES_KEYS, _DTYPE_ENUM, _THROUGHPUT_TIMER_KEYS, _TIMERS_KEYS
 from zeroplan.specs.ds_schema import DEEPSPEED_VERSION
 
@@ -199,7 +200,7 @@ AT_INITIALIZE: dict[str, Shape] = {
 
 def _report(r: _Reader, key: str, value: Any, shape: Shape, at_initialize: bool = False) -> None:
     rule = "DS010" if shape.choices and isinstance(value, str) else "DS003"
-    got = "" if rule == "DS010" else f", got {_json_type(value)}"
+    got = "" if rule == "DS010" else f", got {data_kind(value)}"
     if at_initialize:
         fails = (f"DeepSpeedConfig keeps it as given, but deepspeed.initialize ({DEEPSPEED_VERSION}) fails on it "
                  f"({shape.deepspeed})")
@@ -225,7 +226,7 @@ def _check_value(r: _Reader, path: str, value: Any, shape: Shape) -> None:
         except ValidationError:  # accepted by pydantic's lax mode only: DeepSpeed coerces it
             (new,) = shape.coerced(value) or (value,)
             r.add("DS003", "warning", path, f"{path} = {_fmt(value)}: expected {shape.expected}, got "
-                  f"{_json_type(value)}; DeepSpeed coerces it to {_fmt(new)} ({shape.deepspeed}); write "
+                  f"{data_kind(value)}; DeepSpeed coerces it to {_fmt(new)} ({shape.deepspeed}); write "
                   f"{_fmt(new)} instead", value)
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from zeroplan.specs.ds_findings import _field_spec, _fmt, _is_auto, _json_type, _Reader
+from zeroplan._util import data_kind
+from zeroplan.specs.ds_findings import _field_spec, _fmt, _is_auto, _Reader
 from zeroplan.specs.ds_keys import (
     _LEAF_MODULE_KEYS,
     _ZENFLOW_KEYS,
@@ -36,7 +37,7 @@ def _read_offload(r: _Reader, key: str, raw: Any, model: type[BaseModel]) -> Bas
     if not isinstance(raw, dict):
         r.add("DS003", "error", key,
               f"{key} = {_fmt(raw)}: expected an object such as {{\"device\": \"cpu\"}}, got "
-              f"{_json_type(raw)}; DeepSpeed rejects it; using no offload", raw)
+              f"{data_kind(raw)}; DeepSpeed rejects it; using no offload", raw)
         return model()
     values: dict[str, Any] = {}
     fields = model.model_fields
@@ -64,7 +65,7 @@ def _read_dict_block(r: _Reader, key: str, raw: Any, known: frozenset[str], mode
         return None
     if not isinstance(raw, dict):
         r.add("DS003", "error", key, f"{key} = {_fmt(raw)}: expected an object, got "
-              f"{_json_type(raw)}; DeepSpeed rejects it; using the default", raw)
+              f"{data_kind(raw)}; DeepSpeed rejects it; using the default", raw)
         return None
     out = {}
     for k, v in raw.items():

@@ -201,6 +201,17 @@ def _traffic(st: _State, hdr: tuple[str, int, int, int, str], msg: str, line_no:
     return False
 
 
+def _impossible_comm(st: _State, rank: int, nranks: int, word: str, line_no: int, host: str) -> bool:
+    """A communicator line NCCL cannot have written (no rank, over ``_MAX_NRANKS``, or a rank not below the
+    size; ``word``: the line's own spelling of the size): reported as skipped with its line."""
+    if 1 <= nranks <= _MAX_NRANKS and rank < nranks:
+        return False
+    st.add_issue("skipped", f"communicator line with rank {_clip(f'{rank:,}')} of {word} {_clip(f'{nranks:,}')} "
+                            f"skipped: expected {word} from 1 to {_MAX_NRANKS:,} and a rank below it", line_no,
+                 None if host == "?" else host)
+    return True
+
+
 def _topology(st: _State, hdr: tuple[str, int, int, int, str], msg: str, line_no: int) -> bool:
     """Communicator set-up (Init, nRanks/nNodes), rings, trees and the channel totals."""
     host, pid, tid, dev, _ = hdr
@@ -230,10 +241,7 @@ def _topology(st: _State, hdr: tuple[str, int, int, int, str], msg: str, line_no
         key = m.group("commid") or st.comm_key_for_ptr(host, pid, ptr)
         st.ptr_to_comm[(host, pid, ptr)] = key
         rank, nranks = int(m.group("rank")), int(m.group("nranks"))
-        if not 1 <= nranks <= _MAX_NRANKS or rank >= nranks:  # a communicator NCCL would not have built
-            st.add_issue("skipped", f"communicator line with rank {_clip(f'{rank:,}')} of nranks {_clip(f'{nranks:,}')} "
-                                    f"skipped: expected nranks from 1 to {_MAX_NRANKS:,} and a rank below it", line_no,
-                         None if host == "?" else host)
+        if _impossible_comm(st, rank, nranks, "nranks", line_no, host):
             return True
         st.thread_ctx[(host, pid, tid)] = st.thread_ctx[(host, pid, "dev", dev)] = (key, rank)
         c = st.comm(key)
@@ -256,10 +264,7 @@ def _topology(st: _State, hdr: tuple[str, int, int, int, str], msg: str, line_no
         ptr = m.group("ptr")
         key = st.comm_key_for_ptr(host, pid, ptr)
         rank, nranks = int(m.group("rank")), int(m.group("nranks"))
-        if not 1 <= nranks <= _MAX_NRANKS or rank >= nranks:
-            st.add_issue("skipped", f"communicator line with rank {_clip(f'{rank:,}')} of nRanks {_clip(f'{nranks:,}')} "
-                                    f"skipped: expected nRanks from 1 to {_MAX_NRANKS:,} and a rank below it", line_no,
-                         None if host == "?" else host)
+        if _impossible_comm(st, rank, nranks, "nRanks", line_no, host):
             return True
         st.thread_ctx[(host, pid, tid)] = st.thread_ctx[(host, pid, "dev", dev)] = (key, rank)
         c = st.comm(key)

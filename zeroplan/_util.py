@@ -42,6 +42,8 @@ __all__ = [
     "atomic_write_files",
     "expand_path",
     "data_kind",
+    "DuplicateKeyError",
+    "no_duplicate_keys",
     "remove_live_temps",
 ]
 
@@ -105,6 +107,22 @@ def data_kind(value: object) -> str:
     if isinstance(value, dict):
         return "an object"
     return type(value).__name__  # a YAML date or set
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object with a key given twice (``args[0]``: the key)."""
+
+
+def no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """``object_pairs_hook`` for ``json`` and ``hjson``: a key given twice raises ``DuplicateKeyError``, as
+    DeepSpeed 0.19.8's ``runtime/config_utils.py::dict_raise_error_on_duplicate_keys`` does; plain ``json``
+    would keep the last value silently."""
+    d: dict[str, object] = {}
+    for k, v in pairs:
+        if k in d:
+            raise DuplicateKeyError(k)
+        d[k] = v
+    return d
 
 
 def expand_path(path: str | os.PathLike) -> str:

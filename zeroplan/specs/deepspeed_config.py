@@ -92,10 +92,8 @@ from zeroplan.specs.ds_parse import (  # noqa: F401
     _INT64_MAX,
     _NONFINITE,
     _check_number_range,
-    _DuplicateKey,
     _key_position,
     _line_col,
-    _no_duplicates,
     _strict_json,
     parse_ds_json,
 )

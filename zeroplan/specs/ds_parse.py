@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Any
 
-from zeroplan._util import InputError, data_kind
+from zeroplan._util import DuplicateKeyError, InputError, data_kind, no_duplicate_keys
 from zeroplan.specs.config_lines import find_key_line, key_lines
 
 __all__ = ["parse_ds_json"]
@@ -25,10 +25,6 @@ def _line_col(text: str, pos: int) -> tuple[int, int]:
     line = text.count("\n", 0, pos) + 1
     col = pos - (text.rfind("\n", 0, pos) + 1) + 1
     return line, col
-
-
-class _DuplicateKey(ValueError):
-    pass
 
 
 _NONFINITE = re.compile(r"(?<![\w\"])-?(?:NaN|Infinity)\b")  # literals only: linear
@@ -67,17 +63,6 @@ def _parse_int(text: str) -> int | _OutOfRange:
         return _OutOfRange(text)
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """object_pairs_hook: a duplicate key is an error, as DeepSpeed 0.19.8's
-    ``runtime/config_utils.py::dict_raise_error_on_duplicate_keys`` makes it."""
-    d: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in d:
-            raise _DuplicateKey(k)
-        d[k] = v
-    return d
-
-
 def _strict_json(text: str) -> bool:
     """True when the text is plain JSON (no comments, trailing commas, unquoted keys...)."""
     def no_constant(name: str) -> Any:
@@ -114,9 +99,9 @@ def parse_ds_json(text: str, where: str = "<config>") -> tuple[dict[str, Any], b
     import hjson  # DeepSpeed's own dependency; imported here to keep `import zeroplan` light
 
     try:
-        data = hjson.loads(text, object_pairs_hook=_no_duplicates, parse_float=_parse_float,
+        data = hjson.loads(text, object_pairs_hook=no_duplicate_keys, parse_float=_parse_float,
                            parse_int=_parse_int)
-    except _DuplicateKey as exc:
+    except DuplicateKeyError as exc:
         key = str(exc)
         raise InputError(
             f"{where}:{_key_position(text, key)} duplicate key {key!r} in a JSON object "

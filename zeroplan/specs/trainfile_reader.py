@@ -17,7 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from zeroplan._util import InputError, data_kind, parse_error_text, read_text_file
+from zeroplan._util import (DuplicateKeyError, InputError, data_kind, no_duplicate_keys, parse_error_text,
+                            read_text_file)
 from zeroplan.specs.finetune import FineTune
 
 MAX_FILE_BYTES = 4 * 1024 * 1024
@@ -75,11 +76,9 @@ def _load_mapping(path: str | Path, what: str) -> dict[str, Any]:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
         raise InputError(f"{path}: {what} is larger than {MAX_FILE_BYTES // 2**20} MiB")
     if str(path).endswith(".json") or text.lstrip().startswith("{"):
-        from zeroplan.specs.ds_parse import _DuplicateKey, _no_duplicates  # only when a file is read
-
         try:  # a key given twice is refused, as in a DeepSpeed config (the last one would win silently)
-            data = json.loads(text, object_pairs_hook=_no_duplicates)
-        except _DuplicateKey as exc:
+            data = json.loads(text, object_pairs_hook=no_duplicate_keys)
+        except DuplicateKeyError as exc:
             raise InputError(f"{path}: not valid JSON (duplicate key {exc.args[0]!r})") from None
         except ValueError as exc:
             raise InputError(f"{path}: not valid JSON ({parse_error_text(exc)})") from None

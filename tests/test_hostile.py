@@ -635,3 +635,22 @@ def test_option_values(args, needle):
     gpus = [] if "--gpus" in args else ["--gpus", "8"]
     r = invoke(["estimate", "--model", "llama-2-7b", *gpus, *args, "--json"])
     assert_rejected(r, needle)
+
+
+@pytest.mark.parametrize("argv", [
+    ["estimate", "--model", "llama-2-7b", "--gpus", "8", "--mfu", "{v}"],
+    ["estimate", "--model", "llama-2-7b", "--gpus", "8", "--lora-alpha", "{v}"],
+    ["recommend", "--model", "llama-2-7b", "--gpus", "8", "--hardware", "dgx-a100-80gb", "--headroom", "{v}"],
+    ["check", "--max-comm-share", "{v}", "x.json"],
+    ["check", "--min-headroom", "{v}", "x.json"],
+    ["bench", "collectives", "--timeout", "{v}"],
+    ["bench", "zero", "--model", "gpt2", "--tolerance", "{v}"],
+    ["bench", "cpu-adam", "--timeout", "{v}"],
+    ["bench", "overlap", "--timeout", "{v}"],
+])
+@pytest.mark.parametrize("value", ["1e400", "-1e999", "nan", "inf"])
+def test_float_options_refuse_non_finite_values_as_typed(argv, value):
+    """1e400 parses to inf: the message quotes what was typed, not 'inf', before any work starts."""
+    r = invoke([a.replace("{v}", value) for a in argv])
+    line = assert_rejected(r, f"'{value}' is not a finite number")
+    assert argv[argv.index("{v}") - 1] in line

@@ -31,7 +31,7 @@ __all__ = [
     "Headroom", "CommModel", "OptimizerImpl", "Activations", "Mfu", "Strict", "Lenient", "Json",
     "Method", "LoraR", "LoraAlpha", "LoraTargets", "Dora", "ModulesToSave", "Trainable", "QuantBits", "DoubleQuant",
     "QuantStorage", "AccelerateConfig", "HfArgs", "Axolotl", "LlamaFactory", "LoraRanks", "GlobalBatchTarget",
-    "parse_ranks", "with_fine_tuning_options", "with_plan_options",
+    "parse_ranks", "with_fine_tuning_options", "with_plan_options", "finite_float",
     "DEFAULT_HEADROOM", "DEFAULT_MFU", "DEFAULT_COMM_MODEL", "DEFAULT_TOP", "DEFAULT_FAIL_ON",
     "DEFAULT_MAX_COMM_SHARE", "DEFAULT_MAX_NODES",
 ]
@@ -46,6 +46,20 @@ DEFAULT_TOP: int = default_of(RecommendOptions, "top")
 DEFAULT_FAIL_ON: str = default_of(CheckOptions, "fail_on")
 DEFAULT_MAX_COMM_SHARE: float = default_of(CheckOptions, "max_comm_share")
 DEFAULT_MAX_NODES: int = default_of(ReportOptions, "max_nodes")
+
+
+
+def finite_float(text: str) -> float:
+    """Parse a float option as typed; refuse what is not a finite number (``1e400`` would become inf
+    and ``nan`` compares false with every bound), naming the text the user gave."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise typer.BadParameter(f"{text!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise typer.BadParameter(f"{text!r} is not a finite number")
+    return value
+
 
 # ------------------------------------------------------------------------------ shared options
 _MODEL_HELP = ("Catalog name (see `zeroplan models list`), a Hugging Face Hub id found in the catalog or in the "
@@ -102,7 +116,7 @@ Stage = Annotated[Optional[List[str]], typer.Option(
     "--stage", metavar="0-3", show_default="all four, or --ds-config's stage",
     help="ZeRO stage(s) to evaluate; repeat or separate with commas (--stage 2 --stage 3, --stage 2,3).")]
 Headroom = Annotated[float, typer.Option(
-    "--headroom", metavar="FRACTION",
+    "--headroom", metavar="FRACTION", parser=finite_float,
     help="Fraction of GPU memory and host RAM to keep free (0–1): recommend only chooses configurations "
          "that leave it; check warns (ZP103) below it.")]
 CommModel = Annotated[str, typer.Option(
@@ -128,7 +142,7 @@ Kernels = Annotated[Optional[str], typer.Option(
          "DeepSpeed runs it, and FSDP mixed precision); unfused-amp: the same under torch.autocast with fp32 "
          "weights (DDP + AMP). Unfused code moves several times more bytes through HBM per token.")]
 Mfu = Annotated[Optional[float], typer.Option(
-    "--mfu", metavar="FRACTION", show_default="the compute model (FLOPs from the architecture at a rate by GPU "
+    "--mfu", metavar="FRACTION", parser=finite_float, show_default="the compute model (FLOPs from the architecture at a rate by GPU "
     "generation and shape)", help="Override the compute model with a fixed model FLOPs utilisation (0–1].")]
 Strict = Annotated[bool, typer.Option(
     "--strict/--no-strict",
@@ -154,7 +168,7 @@ GlobalBatchTarget = Annotated[Optional[str], typer.Option(
 LoraR = Annotated[Optional[int], typer.Option(
     "--lora-r", metavar="R", show_default="8", help="LoRA rank (PEFT's r).")]
 LoraAlpha = Annotated[Optional[float], typer.Option(
-    "--lora-alpha", metavar="ALPHA", show_default="none",
+    "--lora-alpha", metavar="ALPHA", parser=finite_float, show_default="none",
     help="LoRA alpha (a scale: recorded, no effect on memory).")]
 LoraTargets = Annotated[Optional[str], typer.Option(
     "--lora-targets", metavar="NAMES|all-linear", show_default="PEFT's default for the family (llama: q_proj,v_proj)",

@@ -11,7 +11,7 @@ import typer
 
 from zeroplan._util import parse_count
 from zeroplan.bench.cpu_adam import CpuAdamConfig  # pydantic only: torch and DeepSpeed load in the command
-from zeroplan.commands._common import console, err_console, handle_errors
+from zeroplan.commands._common import console, err_console, finite_float, handle_errors
 
 __all__ = ["cpu_adam"]
 
@@ -66,7 +66,7 @@ def cpu_adam(
                                          "--bind_cores_to_rank does."),
     warmup: int = typer.Option(_DEFAULT.warmup, "--warmup", help="Untimed steps per process."),
     iters: int = typer.Option(_DEFAULT.iters, "--iters", help="Timed steps per process."),
-    timeout: float = typer.Option(600.0, "--timeout", help="Seconds before hung processes are killed."),
+    timeout: float = typer.Option(600.0, "--timeout", parser=finite_float, help="Seconds before hung processes are killed."),
     save_profile: Optional[str] = typer.Option(None, "--save-profile",
                                                help="Write --hardware's profile with "
                                                     "node.cpu_adam_params_per_s_per_core set to the measurement "

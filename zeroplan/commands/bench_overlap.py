@@ -10,7 +10,7 @@ from typing import Any, Optional
 import typer
 
 from zeroplan.bench.limits import MAX_BUFFER_TEXT  # no torch: the bound is in --help
-from zeroplan.commands._common import console, handle_errors
+from zeroplan.commands._common import console, finite_float, handle_errors
 
 __all__ = ["overlap"]
 
@@ -60,7 +60,7 @@ def overlap(
     iters: int = typer.Option(10, "--iters", help="Timed repetitions per measurement."),
     nproc: int = typer.Option(2, "--nproc", help="Local ranks to start (ignored under torchrun, which sets the world)."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl if CUDA is available, else gloo), nccl or gloo."),
-    timeout: float = typer.Option(600.0, "--timeout", help="Seconds before hung ranks are killed."),
+    timeout: float = typer.Option(600.0, "--timeout", parser=finite_float, help="Seconds before hung ranks are killed."),
     save_profile: Optional[str] = typer.Option(None, "--save-profile",
                                                help="Write --hardware's profile with node.overlap_slowdown set to the "
                                                     "measurement (TOML, atomic)."),

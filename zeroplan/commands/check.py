@@ -10,7 +10,7 @@ from typing_extensions import Annotated
 from zeroplan.commands._common import (
     DEFAULT_COMM_MODEL, DEFAULT_FAIL_ON, DEFAULT_HEADROOM, DEFAULT_MAX_COMM_SHARE, DEFAULT_MFU, Checkpointing,
     CommModel, FlashAttention, Kernels, GpusPerNode, GradAccum, Gpus, Hardware, Headroom, MicroBatch, Mfu, Model, Nodes,
-    Optimizer, Precision, SeqLen, console, handle_errors, with_fine_tuning_options, options_from,
+    Optimizer, Precision, SeqLen, console, finite_float, handle_errors, with_fine_tuning_options, options_from,
     read_files,
 )
 from zeroplan.options import FAIL_ON, CheckOptions
@@ -74,11 +74,11 @@ def register(app: typer.Typer) -> None:
             "--format", "-f", metavar="text|json|junit|github",
             help="Report format: text, json, junit (JUnit XML) or github (workflow annotations).")] = "text",
         max_comm_share: Annotated[float, typer.Option(
-            "--max-comm-share", metavar="FRACTION",
+            "--max-comm-share", metavar="FRACTION", parser=finite_float,
             help="ZP201: warn when exposed communication exceeds this share of the step.")] = DEFAULT_MAX_COMM_SHARE,
         headroom: Headroom = DEFAULT_HEADROOM,
         min_headroom: Annotated[Optional[float], typer.Option(
-            "--min-headroom", hidden=True, help="Old name of --headroom.")] = None,
+            "--min-headroom", hidden=True, parser=finite_float, help="Old name of --headroom.")] = None,
         comm_model: CommModel = DEFAULT_COMM_MODEL,
         mfu: Mfu = DEFAULT_MFU,
         output: Annotated[Optional[str], typer.Option(

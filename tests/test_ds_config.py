@@ -544,7 +544,8 @@ def test_malformed_json_names_line_and_column(tmp_path, text, line, col):
 @pytest.mark.parametrize("text,part", [
     ('{"a": 1 /* open', "unterminated"),
     ('{"a": 1, "a": 2}', "duplicate key 'a'"),
-    ('{"a": NaN}', "line 1 column"),  # hjson reads NaN} as a quoteless string running to the end
+    ('{"a": NaN}', "line 1 column 7: NaN is not a JSON number"),  # the literal, not hjson's error at the end
+    ('{\n "a": 1,\n "b": -Infinity}', "line 3 column 7: -Infinity is not a JSON number"),
     ('[1, 2]', "expected an object"),
 ])
 def test_other_parse_errors(text, part):

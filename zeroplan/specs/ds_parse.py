@@ -108,9 +108,14 @@ def parse_ds_json(text: str, where: str = "<config>") -> tuple[dict[str, Any], b
             "(DeepSpeed rejects duplicate keys)") from None
     except hjson.HjsonDecodeError as exc:
         const = _NONFINITE.search(text)
-        hint = f"; {const.group()} is not a JSON number" if const else ""
+        if const:  # hjson reads an unquoted NaN to the end of its line as a string: the error lands later
+            line, col = _line_col(text, const.start())
+            raise InputError(
+                f"{where}: line {line} column {col}: {const.group()} is not a JSON number (hjson, as DeepSpeed "
+                f"reads it, takes the rest of that line as a string and then fails at line {exc.lineno} "
+                f"column {exc.colno}: {exc.msg}); write a number, or null where the key allows it") from None
         raise InputError(
-            f"{where}: line {exc.lineno} column {exc.colno}: not valid JSON/hjson ({exc.msg}{hint})") from None
+            f"{where}: line {exc.lineno} column {exc.colno}: not valid JSON/hjson ({exc.msg})") from None
     except RecursionError:
         raise InputError(f"{where}: JSON nested too deeply") from None
     except IndexError:  # hjson 3.1 runs off the end of an unterminated /* comment

@@ -193,6 +193,9 @@ def _resolve_output(path: str | os.PathLike, option: str = "") -> tuple[Path, os
     except OSError as exc:
         raise InputError(f"{shown}: cannot write: {exc.strerror or exc}") from None
     _refuse_input_overwrite(st, shown)
+    if target.parts[1:2] in (("proc",), ("sys",)):  # kernel pseudo-files: stat says "regular", size 0
+        raise InputError(f"{shown}: resolves to {target}, a kernel pseudo-file under /{target.parts[1]}; "
+                         "expected a path to a regular file to write")
     if st is not None and not stat.S_ISREG(st.st_mode):
         if stat.S_ISDIR(st.st_mode):
             raise InputError(f"{shown}: is a directory, expected a file path to write")
@@ -306,7 +309,8 @@ def _staged_temp(target: Path, st: os.stat_result | None, data: bytes, shown: st
         fd, tmp = tempfile.mkstemp(prefix=os.fsdecode(b"." + name + b"."), suffix=".tmp", dir=target.parent)
         _LIVE_TEMPS.add(tmp)
     except OSError as exc:
-        raise InputError(f"{shown}: cannot write here: {exc.strerror or exc}") from None
+        raise InputError(f"{shown}: cannot create a temporary file in {display_path(target.parent)} to write it: "
+                         f"{exc.strerror or exc}") from None
     finally:
         if held is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)

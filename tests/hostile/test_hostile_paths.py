@@ -242,6 +242,30 @@ def test_char_device_output_is_written_in_place_never_replaced(tmp_path):
     assert after == before and stat.S_ISCHR(os.lstat(dev).st_mode)
 
 
+@pytest.mark.parametrize("cmd", list(WRITERS))
+@pytest.mark.parametrize("how", ["direct", "symlink"])
+def test_kernel_pseudo_files_are_refused_before_work(cmd, how, tmp_path):
+    """/proc and /sys files stat as regular files of size 0: refused by name before any work (the
+    temporary file could not be created beside them anyway), also through a symlink."""
+    ds = _ds(tmp_path)
+    out = Path("/proc/self/mem")
+    if how == "symlink":
+        out = tmp_path / "report.out"
+        os.symlink("/proc/self/environ", out)
+    before = snapshot(tmp_path)
+    line = one_line_exit_2(runner.invoke(app, WRITERS[cmd](out, ds)))
+    assert "kernel pseudo-file under /proc" in line and str(out) in line
+    assert snapshot(tmp_path) == before
+
+
+def test_report_counts_the_bytes_it_wrote_to_a_character_device(tmp_path):
+    """'wrote PATH (N bytes)' counts what was written: /dev/null has no size to stat afterwards."""
+    r = runner.invoke(app, WRITERS["report --html"]("/dev/null", _ds(tmp_path)))
+    assert r.exit_code == 0, r.output[-600:]
+    html = runner.invoke(app, WRITERS["report --html"]("-", _ds(tmp_path))).stdout
+    assert f"wrote /dev/null ({len(html.encode()):,} bytes)" in r.stdout and len(html) > 1000
+
+
 @pytest.mark.parametrize("path_kind", ["directory", "trailing-slash", "socket"])
 def test_unwritable_kinds_are_refused(path_kind, tmp_path):
     import socket

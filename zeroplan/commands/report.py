@@ -7,7 +7,6 @@ HTML is drawn from) is built by ``zeroplan.build_report``; its schema is in repo
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -59,14 +58,15 @@ def _stdout_document(html: str | None, svg: str | None, json_out: bool) -> bool:
     return bool(dashes)
 
 
-def _write_document(path: str, text: str, written: list[str]) -> None:
-    """``text`` to ``path`` atomically, or to stdout for ``-``."""
+def _write_document(path: str, text: str, written: list[tuple[str, int]]) -> None:
+    """``text`` to ``path`` atomically, or to stdout for ``-``; ``written`` gets (path, bytes written)
+    (counted here: a character device such as /dev/null has no size to stat afterwards)."""
     if path == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
     atomic_write_text(path, text)
-    written.append(path)
+    written.append((path, len(text.encode("utf-8"))))
 
 
 def report(
@@ -107,7 +107,7 @@ def report(
     else:
         data = build_report(options)
 
-    written: list[str] = []
+    written: list[tuple[str, int]] = []
     if html is not None:
         from zeroplan.report.html import render_report_html
 
@@ -122,8 +122,8 @@ def report(
         print_json(data)
         return
     if written:
-        for path in written:
-            con.print(f"wrote {path} ({Path(path).stat().st_size:,} bytes)", markup=False, highlight=False)
+        for path, size_bytes in written:
+            con.print(f"wrote {path} ({size_bytes:,} bytes)", markup=False, highlight=False)
         return
     from zeroplan.report.charts import render_memory_bars, render_time_bars
 

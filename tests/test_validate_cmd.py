@@ -77,6 +77,34 @@ def test_validate_without_cuda_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("kind,needle", [
+    ("file", "exists and is not a directory"),
+    ("under-a-file", "is not a directory, so the directory cannot be created"),
+    ("proc", "under /proc, a kernel pseudo-filesystem"),
+    ("report-link", "a kernel pseudo-file under /proc"),
+])
+def test_a_bad_output_is_refused_before_the_gpu_is_looked_for(kind, needle, tmp_path, monkeypatch):
+    """--output is checked before torch or CUDA: on a GPU node a typo would otherwise surface only when
+    the report is written, after the measurements."""
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+    from zeroplan.commands import validate as cmd
+
+    monkeypatch.setattr(cmd, "cuda_status", lambda: pytest.fail("looked for CUDA before checking --output"))
+    (tmp_path / "f").write_text("x")
+    out = {"file": tmp_path / "f", "under-a-file": tmp_path / "f" / "sub", "proc": Path("/proc/self/zp-out"),
+           "report-link": tmp_path / "d"}[kind]
+    if kind == "report-link":
+        out.mkdir()
+        os.symlink("/proc/self/mem", out / "validation.json")
+    r = CliRunner().invoke(app, ["validate", "--output", str(out)])
+    assert r.exit_code == 2, r.output[-600:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.output, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["d", "f"] if kind == "report-link" else ["f"])
+
+
 def test_validate_bad_checks_is_bad_input(tmp_path):
     pytest.importorskip("torch")
     r = subprocess.run([sys.executable, "-m", "zeroplan", "validate", "--output", str(tmp_path), "--checks", "gpu"],

@@ -11,12 +11,13 @@ and neither when the report does not serialise.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from zeroplan._util import InputError, atomic_write_text
+from zeroplan._util import InputError, atomic_write_text, display_path, expand_path, validate_output_path
 
-__all__ = ["render_markdown", "write_validation", "JSON_NAME", "MD_NAME"]
+__all__ = ["render_markdown", "write_validation", "check_validation_dir", "JSON_NAME", "MD_NAME"]
 
 JSON_NAME = "validation.json"
 MD_NAME = "validation.md"
@@ -49,12 +50,39 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_validation(report: dict[str, Any], out_dir: str) -> tuple[Path, Path]:
-    """Write ``validation.json`` and ``validation.md`` into ``out_dir`` (created if missing)."""
-    d = Path(out_dir)
+def check_validation_dir(out_dir: str) -> Path:
+    """The directory ``validate --output`` names, checked before any measurement: an existing directory
+    whose two report files are writable paths (not inputs, links to devices or kernel files), or a
+    path whose nearest existing ancestor is a writable directory (it is created). InputError if not."""
+    d = Path(expand_path(out_dir))
     if d.exists() and not d.is_dir():
         raise InputError(f"--output {out_dir}: exists and is not a directory; expected a directory")
+    if d.exists():
+        for name in (JSON_NAME, MD_NAME):
+            validate_output_path(d / name, option="--output")
+        return d
+    ancestor = Path(os.path.realpath(d)).parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if ancestor.parts[1:2] in (("proc",), ("sys",)):
+        raise InputError(f"--output {out_dir}: under /{ancestor.parts[1]}, a kernel pseudo-filesystem; "
+                         "expected a directory to write validation.json and validation.md into")
+    if not ancestor.is_dir():
+        raise InputError(f"--output {out_dir}: {display_path(ancestor)} is not a directory, so the directory "
+                         "cannot be created")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InputError(f"--output {out_dir}: directory {display_path(ancestor)} is not writable, so the "
+                         "directory cannot be created")
+    return d
+
+
+def write_validation(report: dict[str, Any], out_dir: str) -> tuple[Path, Path]:
+    """Write ``validation.json`` and ``validation.md`` into ``out_dir`` (created if missing)."""
+    d = check_validation_dir(out_dir)
     text = json.dumps(report, indent=2, allow_nan=False, default=str) + "\n"  # fails before any write
     md = render_markdown(report)
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--output {out_dir}: cannot create the directory: {exc.strerror or exc}") from None
     return atomic_write_text(d / JSON_NAME, text), atomic_write_text(d / MD_NAME, md)

@@ -65,6 +65,9 @@ def validate(
     for name, v in (("--gpus", gpus), ("--micro-batch", micro_batch), ("--seq-len", seq_len), ("--layers", layers)):
         if v < 1:
             raise InputError(f"{name} {v}: expected a whole number >= 1")
+    from zeroplan.bench.validate_report import check_validation_dir
+
+    check_validation_dir(output)  # a bad --output is found now, not after minutes of measurement
     hw = None
     if hardware is not None:
         from zeroplan.specs.hardware import load_profile

@@ -233,3 +233,29 @@ def test_cli_zero_scale_and_stage_name_the_option(args, needle, no_work):
     no_work.setattr(model, "load_model", load_model)
     line = _bad_input(["zero", "--model", "gpt2", "--backend", "gloo", *args])
     assert needle in line and "scaled()" not in line and "num_layers" not in line
+
+
+# ------------------------------------------------------------------ repetition counts
+@pytest.mark.parametrize("bench", [["collectives", "--backend", "gloo"], ["overlap", "--backend", "gloo"], ["cpu-adam"],
+                                   ["zero", "--model", "gpt2", "--backend", "gloo"]])
+@pytest.mark.parametrize("flag,value,expected", [
+    ("iters", "99999999999999999999", "likely typo"),  # ran until --timeout, then "rank still running"
+    ("iters", "0", "from 1 to"),
+    ("warmup", "1000001", "likely typo"),
+    ("warmup", "-1", "from 0 to"),
+])
+def test_repetition_counts_are_bounded_before_any_rank_starts(bench, flag, value, expected, no_work):
+    from zeroplan.bench.limits import MAX_ENGINE_STEPS, MAX_REPEATS
+
+    option = "--steps" if bench[0] == "zero" and flag == "iters" else f"--{flag}"
+    bound = MAX_ENGINE_STEPS if bench[0] == "zero" else MAX_REPEATS
+    line = _bad_input([*bench, option, value])
+    assert f"{option} {int(value):,}: expected a whole number from" in line and f"to {bound:,}" in line
+    assert expected in line
+
+
+def test_the_largest_repetition_counts_pass_the_check():
+    from zeroplan.bench.limits import MAX_REPEATS, check_repeats
+
+    check_repeats(MAX_REPEATS, MAX_REPEATS)
+    check_repeats(1, 0)

@@ -38,7 +38,7 @@ from zeroplan._util import InputError, ascii_digits, atomic_write_text, fmt_byte
 from zeroplan.bench.collectives_profile import (  # re-exported: zeroplan.bench.collectives keeps its names
     R2_WARN_BELOW, add_predictions, fit_tiers, measured_link_name, save_profile_from_report)
 from zeroplan.bench.limits import (  # parse_size: re-exported
-    MAX_BUFFER_BYTES, SWEEP_BUFFERS_PER_RANK, check_rank_bytes, parse_size, ranks_on_this_host)
+    MAX_BUFFER_BYTES, SWEEP_BUFFERS_PER_RANK, check_rank_bytes, check_repeats, parse_size, ranks_on_this_host)
 from zeroplan.specs.collectives import busbw_factor
 
 __all__ = [
@@ -155,8 +155,7 @@ def validate_config(cfg: BenchConfig) -> None:
         raise InputError(f"--dtype {cfg.dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
     if cfg.group not in GROUP_CHOICES:
         raise InputError(f"--group {cfg.group!r}: expected all, intra or inter")
-    if cfg.iters < 1 or cfg.warmup < 0:
-        raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
+    check_repeats(cfg.iters, cfg.warmup)
     if not (cfg.straggler_threshold > 1.0 and math.isfinite(cfg.straggler_threshold)):  # inf reached the ranks as null
         raise InputError(f"--straggler-threshold {cfg.straggler_threshold}: expected a finite ratio > 1 (e.g. 1.5)")
     for flag, value in (("--min-bytes", cfg.min_bytes), ("--max-bytes", cfg.max_bytes)):

@@ -146,11 +146,10 @@ def check_config(cfg: CpuAdamConfig, nproc: int) -> None:
         raise InputError(f"--params {cfg.params}: expected a positive number of parameters")
     if cfg.threads is not None and cfg.threads < 1:
         raise InputError(f"--threads {cfg.threads}: expected a whole number >= 1")
-    if cfg.iters < 1 or cfg.warmup < 0:
-        raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
-    from zeroplan.bench.limits import HOST_MEMORY_FRACTION
+    from zeroplan.bench.limits import HOST_MEMORY_FRACTION, check_repeats
     from zeroplan.runtime.launch import mem_available_bytes
 
+    check_repeats(cfg.iters, cfg.warmup)
     need = nproc * cfg.params * BYTES_PER_PARAM
     avail = mem_available_bytes()
     if avail is not None and need > HOST_MEMORY_FRACTION * avail:

@@ -11,7 +11,10 @@
   that would initialise CUDA in the parent of forked ranks). ``bench zero`` skips the GPU check:
   its runs compare a predicted OOM with a measured one.
 
-Imports nothing of torch: the command modules read the bound for their ``--help``.
+- ``check_repeats``: a bench's repetition counts (``--iters``/``--warmup``, bench zero's ``--steps``)
+  within ``MAX_REPEATS`` (``MAX_ENGINE_STEPS`` for whole training steps).
+
+Imports nothing of torch: the command modules read the bounds for their ``--help``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import os
 
 from zeroplan._util import InputError, fmt_bytes
 
-__all__ = ["MAX_BUFFER_BYTES", "MAX_BUFFER_TEXT", "HOST_MEMORY_FRACTION", "GPU_MEMORY_FRACTION", "SWEEP_BUFFERS_PER_RANK",
+__all__ = ["MAX_BUFFER_BYTES", "MAX_BUFFER_TEXT", "MAX_REPEATS", "MAX_ENGINE_STEPS", "check_repeats",
+           "HOST_MEMORY_FRACTION", "GPU_MEMORY_FRACTION", "SWEEP_BUFFERS_PER_RANK",
            "parse_size", "check_rank_bytes", "ranks_on_this_host"]
 
 MAX_BUFFER_BYTES = 2**40
@@ -33,6 +37,13 @@ GPU_MEMORY_FRACTION = 0.9
 # bench collectives, per rank at the sweep's largest size: the full buffer, an output buffer of the same
 # size and the shard (at most one more); the previous size's buffers are freed as the next are made.
 SWEEP_BUFFERS_PER_RANK = 3
+
+# Repetitions per measurement (bench collectives, overlap, cpu-adam: --warmup untimed, then --iters timed).
+# nccl-tests times 20 calls after 5 warm-up ones (its -n and -w); a count with a few zeros too many would
+# run until --timeout and end as "rank still running", so a count above this is refused as a typo.
+MAX_REPEATS = 100_000
+# bench zero's --steps and --warmup are whole training steps of the bundled engine or DeepSpeed.
+MAX_ENGINE_STEPS = 1_000
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
                "G": 2**30, "GB": 2**30, "GIB": 2**30}
@@ -111,3 +122,10 @@ def _check_gpu_free(need_bytes: int, ranks: int, what: str, lower: str) -> None:
                          f"have that within {GPU_MEMORY_FRACTION:.0%} of their free memory (NVML; the most free: "
                          f"{fmt_bytes(max(free))}) for {ranks} rank(s); lower {lower}")
 
+
+def check_repeats(iters: int, warmup: int, *, iters_flag: str = "--iters", bound: int = MAX_REPEATS) -> None:
+    """InputError unless 1 <= iters <= bound and 0 <= warmup <= bound (checked before any rank starts)."""
+    for flag, value, low in ((iters_flag, iters, 1), ("--warmup", warmup, 0)):
+        if not low <= value <= bound:
+            why = " (refused as a likely typo: the run would outlast --timeout)" if value > bound else ""
+            raise InputError(f"{flag} {value:,}: expected a whole number from {low} to {bound:,}{why}")

@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field
 
 from zeroplan._util import InputError
 from zeroplan.bench.collectives import DTYPE_BYTES
-from zeroplan.bench.limits import check_rank_bytes, parse_size, ranks_on_this_host
+from zeroplan.bench.limits import check_rank_bytes, check_repeats, parse_size, ranks_on_this_host
 
 __all__ = ["OverlapConfig", "OverlapReport", "slowdown_fraction", "resolve_config", "overlap_rank",
            "aggregate_overlap", "run_overlap", "save_overlap_profile", "COVER", "OPS", "rank_bytes",
@@ -111,8 +111,7 @@ def resolve_config(cfg: OverlapConfig, device: str) -> dict[str, Any]:
             raise InputError(f"{flag} {out[key]!r}: expected a positive integer")
     if out["dtype"] not in DTYPE_BYTES:
         raise InputError(f"--dtype {out['dtype']!r}: expected one of {', '.join(DTYPE_BYTES)}")
-    if cfg.iters < 1 or cfg.warmup < 0:
-        raise InputError(f"--iters {cfg.iters} / --warmup {cfg.warmup}: expected iters >= 1 and warmup >= 0")
+    check_repeats(cfg.iters, cfg.warmup)
     if cfg.op not in OPS:
         raise InputError(f"--op {cfg.op!r}: expected one of {', '.join(OPS)}")
     parse_size(out["size_bytes"], "--size")  # at most MAX_BUFFER_BYTES (also for an OverlapConfig built in code)

@@ -38,6 +38,7 @@ import math
 from typing import Any
 
 from zeroplan._util import InputError, atomic_write_text
+from zeroplan.bench.limits import MAX_ENGINE_STEPS, check_repeats
 from zeroplan.bench.zero_compare import (  # noqa: F401 - re-exported
     _CATS, _PHASES, _STATES, MODEL_STATE_TOLERANCE, PHASE_PEAK_TOLERANCE, PHASE_PEAK_TOLERANCE_TRACED, _row, compare,
     phase_peak_tolerance)
@@ -233,10 +234,9 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
     sl = _positive("--seq-len", seq_len if seq_len is not None else 32)
     ga = _positive("--grad-accum", grad_accum if grad_accum is not None else
                    (ds.grad_accum if ds is not None and ds.grad_accum else 1))
-    nsteps = _positive("--steps", steps if steps is not None else 2)
+    nsteps = int(steps) if steps is not None else 2
     nwarm = int(warmup) if warmup is not None else 2
-    if nwarm < 0:
-        raise InputError(f"--warmup {warmup!r}: expected an integer >= 0")
+    check_repeats(nsteps, nwarm, iters_flag="--steps", bound=MAX_ENGINE_STEPS)
     limit = _memory_limit(memory_limit)
     _check_engine(engine, checkpointing, simulate)
     ft = _bench_finetune(full, method=method, lora_r=lora_r, lora_alpha=lora_alpha, lora_targets=lora_targets,

@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional
 import typer
 
 from zeroplan._util import InputError, validate_output_path
-from zeroplan.bench.limits import MAX_BUFFER_TEXT, SWEEP_BUFFERS_PER_RANK  # no torch: the bounds are in --help
+from zeroplan.bench.limits import (  # no torch: the bounds are in --help
+    MAX_BUFFER_TEXT, MAX_ENGINE_STEPS, MAX_REPEATS, SWEEP_BUFFERS_PER_RANK)
 from zeroplan.commands._common import (
     LoraAlpha,
     LoraR,
@@ -156,8 +157,8 @@ def collectives(
                                        "host's available memory)."),
     factor: int = typer.Option(2, "--factor", help="Size multiplier between steps of the sweep."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
-    warmup: int = typer.Option(5, "--warmup", help="Untimed calls per op and size."),
-    iters: int = typer.Option(20, "--iters", help="Timed calls per op and size."),
+    warmup: int = typer.Option(5, "--warmup", help=f"Untimed calls per op and size (0 to {MAX_REPEATS:,})."),
+    iters: int = typer.Option(20, "--iters", help=f"Timed calls per op and size (1 to {MAX_REPEATS:,})."),
     nproc: int = typer.Option(2, "--nproc", help="Local ranks to start (ignored under torchrun, which sets the world)."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl if CUDA is available, else gloo), nccl or gloo."),
     group: str = typer.Option("all", "--group", help="all (the world), intra (within each node) or inter (across nodes)."),
@@ -281,9 +282,11 @@ def zero(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default 32)."),
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum",
                                              help="Micro-steps per optimizer step (default: the config's, else 1)."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Measured optimizer steps per stage (default 2)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Measured optimizer steps per stage (default 2; "
+                                                              f"at most {MAX_ENGINE_STEPS:,})."),
     warmup: Optional[int] = typer.Option(None, "--warmup",
-                                         help="Unmeasured optimizer steps first (default 2; stage 3 at least 2)."),
+                                         help="Unmeasured optimizer steps first (default 2; stage 3 at least 2; "
+                                              f"at most {MAX_ENGINE_STEPS:,})."),
     layers: Optional[int] = typer.Option(None, "--layers",
                                          help="Scale the model to this many layers (default 2; with --simulate: keep)."),
     hidden: Optional[int] = typer.Option(None, "--hidden",

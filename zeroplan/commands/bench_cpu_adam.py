@@ -11,6 +11,7 @@ import typer
 
 from zeroplan._util import parse_count
 from zeroplan.bench.cpu_adam import CpuAdamConfig  # pydantic only: torch and DeepSpeed load in the command
+from zeroplan.bench.limits import MAX_REPEATS  # no torch: the bound is in --help
 from zeroplan.commands._common import console, err_console, finite_float, handle_errors
 
 __all__ = ["cpu_adam"]
@@ -64,8 +65,9 @@ def cpu_adam(
     bind_cores: bool = typer.Option(_DEFAULT.bind_cores, "--bind-cores",
                                     help="Pin each process to its own physical cores, as DeepSpeed's "
                                          "--bind_cores_to_rank does."),
-    warmup: int = typer.Option(_DEFAULT.warmup, "--warmup", help="Untimed steps per process."),
-    iters: int = typer.Option(_DEFAULT.iters, "--iters", help="Timed steps per process."),
+    warmup: int = typer.Option(_DEFAULT.warmup, "--warmup",
+                               help=f"Untimed steps per process (0 to {MAX_REPEATS:,})."),
+    iters: int = typer.Option(_DEFAULT.iters, "--iters", help=f"Timed steps per process (1 to {MAX_REPEATS:,})."),
     timeout: float = typer.Option(600.0, "--timeout", parser=finite_float, help="Seconds before hung processes are killed."),
     save_profile: Optional[str] = typer.Option(None, "--save-profile",
                                                help="Write --hardware's profile with "

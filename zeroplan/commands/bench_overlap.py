@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import typer
 
-from zeroplan.bench.limits import MAX_BUFFER_TEXT  # no torch: the bound is in --help
+from zeroplan.bench.limits import MAX_BUFFER_TEXT, MAX_REPEATS  # no torch: the bound is in --help
 from zeroplan.commands._common import console, finite_float, handle_errors
 
 __all__ = ["overlap"]
@@ -56,8 +56,9 @@ def overlap(
                                                       "(its gradient buckets behind the backward)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default bfloat16 on "
                                                               "CUDA, float32 on CPU)."),
-    warmup: int = typer.Option(3, "--warmup", help="Untimed repetitions before each measurement."),
-    iters: int = typer.Option(10, "--iters", help="Timed repetitions per measurement."),
+    warmup: int = typer.Option(3, "--warmup",
+                               help=f"Untimed repetitions before each measurement (0 to {MAX_REPEATS:,})."),
+    iters: int = typer.Option(10, "--iters", help=f"Timed repetitions per measurement (1 to {MAX_REPEATS:,})."),
     nproc: int = typer.Option(2, "--nproc", help="Local ranks to start (ignored under torchrun, which sets the world)."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl if CUDA is available, else gloo), nccl or gloo."),
     timeout: float = typer.Option(600.0, "--timeout", parser=finite_float, help="Seconds before hung ranks are killed."),

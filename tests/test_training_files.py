@@ -88,6 +88,13 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
     ("hf-args", "[1, 2]", "expected a mapping"),
     ("axolotl", "base_model: [unclosed\n", "not valid YAML"),
     ("axolotl", "!!python/object/apply:os.system ['true']\n", "not valid YAML"),
+    # keys YAML reads as something other than a name (a TypeError in the typo check before)
+    ("llama-factory", "model_name_or_path: gpt2\n99999999999999999999999: 2048\n",
+     "f.yaml:2:1: not valid YAML (key '99999999999999999999999' reads as an integer"),
+    ("axolotl", "base_model: gpt2\ntrue: 1\n", ":2:1: not valid YAML (key 'true' reads as a boolean"),
+    ("axolotl", "base_model: gpt2\n2024-01-01: x\n", "key '2024-01-01' reads as a date"),
+    ("accelerate", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  1.5: x\n", ":3:3: not valid YAML (key '1.5'"),
+    ("llama-factory", "model_name_or_path: gpt2\n~: 1\n", "key '~' reads as null"),
 ])
 def test_bad_training_files_are_one_line_input_errors(tmp_path, fmt, text, needle):
     p = _write(tmp_path, "f.json" if text.lstrip().startswith(("{", "[")) else "f.yaml", text)

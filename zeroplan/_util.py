@@ -106,7 +106,13 @@ def data_kind(value: object) -> str:
         return "a list"
     if isinstance(value, dict):
         return "an object"
-    return type(value).__name__  # a YAML date or set
+    import datetime
+
+    if isinstance(value, (datetime.date, datetime.datetime)):  # YAML reads 2024-01-01 as a date
+        return "a date"
+    if isinstance(value, (set, frozenset)):  # YAML's !!set
+        return "a set"
+    return type(value).__name__
 
 
 class DuplicateKeyError(ValueError):

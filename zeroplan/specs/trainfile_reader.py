@@ -65,6 +65,11 @@ def _yaml_loader() -> type:
                 if dup:
                     raise yaml.constructor.ConstructorError(
                         "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark)
+                if not isinstance(key, str):  # `1: x`, `true: x`, `null: x`, a date: every format's keys are names
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"key {key_node.value!r} reads as {data_kind(key)}; expected a name (quote it to mean "
+                        "the text)", key_node.start_mark)
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 

@@ -245,10 +245,10 @@ def test_cli_zero_scale_and_stage_name_the_option(args, needle, no_work):
     ("warmup", "-1", "from 0 to"),
 ])
 def test_repetition_counts_are_bounded_before_any_rank_starts(bench, flag, value, expected, no_work):
-    from zeroplan.bench.limits import MAX_ENGINE_STEPS, MAX_REPEATS
+    from zeroplan.bench.limits import MAX_REPEATS
 
     option = "--steps" if bench[0] == "zero" and flag == "iters" else f"--{flag}"
-    bound = MAX_ENGINE_STEPS if bench[0] == "zero" else MAX_REPEATS
+    bound = MAX_REPEATS
     line = _bad_input([*bench, option, value])
     assert f"{option} {int(value):,}: expected a whole number from" in line and f"to {bound:,}" in line
     assert expected in line

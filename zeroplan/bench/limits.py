@@ -12,7 +12,7 @@
   its runs compare a predicted OOM with a measured one.
 
 - ``check_repeats``: a bench's repetition counts (``--iters``/``--warmup``, bench zero's ``--steps``)
-  within ``MAX_REPEATS`` (``MAX_ENGINE_STEPS`` for whole training steps).
+  within ``MAX_REPEATS``.
 
 Imports nothing of torch: the command modules read the bounds for their ``--help``.
 """
@@ -24,7 +24,7 @@ import os
 
 from zeroplan._util import InputError, fmt_bytes
 
-__all__ = ["MAX_BUFFER_BYTES", "MAX_BUFFER_TEXT", "MAX_REPEATS", "MAX_ENGINE_STEPS", "check_repeats",
+__all__ = ["MAX_BUFFER_BYTES", "MAX_BUFFER_TEXT", "MAX_REPEATS", "check_repeats",
            "HOST_MEMORY_FRACTION", "GPU_MEMORY_FRACTION", "SWEEP_BUFFERS_PER_RANK",
            "parse_size", "check_rank_bytes", "ranks_on_this_host"]
 
@@ -38,12 +38,11 @@ GPU_MEMORY_FRACTION = 0.9
 # size and the shard (at most one more); the previous size's buffers are freed as the next are made.
 SWEEP_BUFFERS_PER_RANK = 3
 
-# Repetitions per measurement (bench collectives, overlap, cpu-adam: --warmup untimed, then --iters timed).
-# nccl-tests times 20 calls after 5 warm-up ones (its -n and -w); a count with a few zeros too many would
-# run until --timeout and end as "rank still running", so a count above this is refused as a typo.
+# Repetitions per measurement (bench collectives, overlap, cpu-adam: --warmup untimed, then --iters timed;
+# bench zero: --warmup and --steps training steps). nccl-tests times 20 calls after 5 warm-up ones (its -n
+# and -w); a count with a few zeros too many would run until --timeout and end as "rank still running",
+# so a count above this is refused as a typo.
 MAX_REPEATS = 100_000
-# bench zero's --steps and --warmup are whole training steps of the bundled engine or DeepSpeed.
-MAX_ENGINE_STEPS = 1_000
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
                "G": 2**30, "GB": 2**30, "GIB": 2**30}

@@ -38,7 +38,7 @@ import math
 from typing import Any
 
 from zeroplan._util import InputError, atomic_write_text
-from zeroplan.bench.limits import MAX_ENGINE_STEPS, check_repeats
+from zeroplan.bench.limits import check_repeats
 from zeroplan.bench.zero_compare import (  # noqa: F401 - re-exported
     _CATS, _PHASES, _STATES, MODEL_STATE_TOLERANCE, PHASE_PEAK_TOLERANCE, PHASE_PEAK_TOLERANCE_TRACED, _row, compare,
     phase_peak_tolerance)
@@ -236,7 +236,7 @@ def run_bench_zero_cli(model: str, stage: Any = None, stages: Any = None, nproc:
                    (ds.grad_accum if ds is not None and ds.grad_accum else 1))
     nsteps = int(steps) if steps is not None else 2
     nwarm = int(warmup) if warmup is not None else 2
-    check_repeats(nsteps, nwarm, iters_flag="--steps", bound=MAX_ENGINE_STEPS)
+    check_repeats(nsteps, nwarm, iters_flag="--steps")
     limit = _memory_limit(memory_limit)
     _check_engine(engine, checkpointing, simulate)
     ft = _bench_finetune(full, method=method, lora_r=lora_r, lora_alpha=lora_alpha, lora_targets=lora_targets,

@@ -14,7 +14,7 @@ import typer
 
 from zeroplan._util import InputError, validate_output_path
 from zeroplan.bench.limits import (  # no torch: the bounds are in --help
-    MAX_BUFFER_TEXT, MAX_ENGINE_STEPS, MAX_REPEATS, SWEEP_BUFFERS_PER_RANK)
+    MAX_BUFFER_TEXT, MAX_REPEATS, SWEEP_BUFFERS_PER_RANK)
 from zeroplan.commands._common import (
     LoraAlpha,
     LoraR,
@@ -283,10 +283,10 @@ def zero(
     grad_accum: Optional[int] = typer.Option(None, "--grad-accum",
                                              help="Micro-steps per optimizer step (default: the config's, else 1)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Measured optimizer steps per stage (default 2; "
-                                                              f"at most {MAX_ENGINE_STEPS:,})."),
+                                                              f"at most {MAX_REPEATS:,})."),
     warmup: Optional[int] = typer.Option(None, "--warmup",
                                          help="Unmeasured optimizer steps first (default 2; stage 3 at least 2; "
-                                              f"at most {MAX_ENGINE_STEPS:,})."),
+                                              f"at most {MAX_REPEATS:,})."),
     layers: Optional[int] = typer.Option(None, "--layers",
                                          help="Scale the model to this many layers (default 2; with --simulate: keep)."),
     hidden: Optional[int] = typer.Option(None, "--hidden",

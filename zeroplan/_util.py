@@ -65,7 +65,7 @@ class InputError(Exception):
 _NAME_MAX_BYTES = 255  # NAME_MAX on Linux/macOS file systems
 _TMP_RANDOM_BYTES = 8 + len(".tmp")  # mkstemp's random part + our suffix
 _LIVE_TEMPS: set[str] = set()
-_CLEANUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # temp files being written now: removed on SIGINT/SIGTERM/exit
+_CLEANUP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}  # temp files being written: removed on these and at exit
 
 
 def display_path(path: str | os.PathLike) -> str:
@@ -308,7 +308,7 @@ def _staged_temp(target: Path, st: os.stat_result | None, data: bytes, shown: st
     """A synced temp file beside ``target`` holding ``data`` (with the old file's mode and owner);
     registered in _LIVE_TEMPS until the caller renames or removes it."""
     name = os.fsencode(target.name)[: _NAME_MAX_BYTES - _TMP_RANDOM_BYTES - 2]
-    # SIGINT/SIGTERM are held while the temp file is created and registered, so a signal can
+    # SIGINT/SIGTERM/SIGHUP are held while the temp file is created and registered, so a signal can
     # never land between the two and leave an untracked temp file behind.
     held = signal.pthread_sigmask(signal.SIG_BLOCK, _CLEANUP_SIGNALS) if hasattr(signal, "pthread_sigmask") else None
     try:

@@ -200,11 +200,15 @@ def _error(msg: str) -> None:
 
 
 class Terminated(BaseException):
-    """SIGTERM as an exception, so ``finally`` blocks and context managers remove temp files."""
+    """SIGTERM or SIGHUP (the terminal or SSH session went away) as an exception, so ``finally``
+    blocks and context managers remove temp files; ``args[0]`` is the signal number."""
+
+
+_TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
-    raise Terminated()
+    raise Terminated(signum)
 
 
 def _output_error(exc: BaseException) -> int:
@@ -235,7 +239,8 @@ def _drop_unreadable_terminal_size() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: InputError → exit 2 with one line; SIGINT → 130; SIGTERM → 143."""
+    """Console-script entry point: InputError → exit 2 with one line; SIGINT → 130; SIGTERM → 143;
+    SIGHUP → 129."""
     from zeroplan._util import remove_live_temps
 
     _drop_unreadable_terminal_size()
@@ -252,7 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     command = _invoked(argv)
     app = _register([command] if command is not None and not _registered else COMMANDS)
     try:
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        for signum in _TERMINATING_SIGNALS:
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # `nohup zeroplan bench …` keeps running
+                signal.signal(signum, _on_sigterm)
     except ValueError:  # not the main thread (embedded use): leave the default
         pass
     code = 0
@@ -269,9 +276,10 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         _error("interrupted")
         code = 130
-    except Terminated:
-        _error("terminated (SIGTERM)")
-        code = 143
+    except Terminated as exc:
+        signum = signal.Signals(exc.args[0] if exc.args else signal.SIGTERM)
+        _error(f"terminated ({signum.name})")
+        code = 128 + int(signum)
     except (BrokenPipeError, UnicodeEncodeError) as exc:
         code = _output_error(exc)
     except _StdoutGone as exc:

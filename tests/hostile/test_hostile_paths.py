@@ -430,30 +430,50 @@ def _zeroplan(args: list[str], **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
-@pytest.mark.slow
-def test_sigterm_exits_143_with_one_line_and_no_temp_left(tmp_path):
-    out = tmp_path / "report.html"
-    out.write_text("old")
-    # a writer stuck between write and rename: fsync sleeps until the signal arrives
-    code = ("import os, time, sys; real = os.fsync\n"
-            "def slow(fd):\n    open(sys.argv[1] + '.started', 'w').close() if False else None\n"
-            "    os.write(2, b''); time.sleep(60)\n"
-            "os.fsync = slow\nfrom zeroplan.cli import main\n"
+def _stuck_writer(out: Path, ignore_hup: bool = False) -> subprocess.Popen:
+    """``report --html out`` stuck between write and rename (fsync sleeps), once its temp file exists."""
+    code = ("import os, time, sys, signal\n"
+            + ("signal.signal(signal.SIGHUP, signal.SIG_IGN)\n" if ignore_hup else "")
+            + "os.fsync = lambda fd: time.sleep(60)\nfrom zeroplan.cli import main\n"
             "main(['report', '--model', 'llama-2-7b', '--gpus', '8', '--max-nodes', '1', '--html', sys.argv[1]])\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-c", code, str(out)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     deadline = time.time() + 60
-    while time.time() < deadline and not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()):
+    while time.time() < deadline and not any(p.name.endswith(".tmp") for p in out.parent.iterdir()):
         time.sleep(0.05)
-    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "the writer never started"
+    assert any(p.name.endswith(".tmp") for p in out.parent.iterdir()), "the writer never started"
     time.sleep(0.3)  # any moment works (the temp is registered under a signal mask); this one is mid-write
-    proc.send_signal(signal.SIGTERM)
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_and_sighup_exit_with_one_line_and_no_temp_left(signum, code, tmp_path):
+    """SIGHUP (the terminal or SSH session closed) is handled as SIGTERM is: before, its default action
+    killed the process without removing a temp file being written."""
+    out = tmp_path / "report.html"
+    out.write_text("old")
+    proc = _stuck_writer(out)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 143, err.decode()
+    assert proc.returncode == code, err.decode()
     lines = [ln for ln in err.decode().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "terminated" in lines[0]
+    assert len(lines) == 1 and f"terminated ({signal.Signals(signum).name})" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"] and out.read_text() == "old"
+
+
+@pytest.mark.slow
+def test_an_ignored_sighup_stays_ignored(tmp_path):
+    """`nohup zeroplan …` starts with SIGHUP ignored: zeroplan leaves it so and keeps running."""
+    out = tmp_path / "report.html"
+    proc = _stuck_writer(out, ignore_hup=True)
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert proc.poll() is None, proc.communicate()[1].decode()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 143
 
 
 @pytest.mark.slow

@@ -270,7 +270,7 @@ def _recommend_one(opts: RecommendOptions, gb: tuple[int, str] | None,
 
 def config_paths(configs: str | Sequence[str], *, expand_globs: bool = False) -> list[str]:
     """The config files ``check`` would read: literal paths, or globs with ``expand_globs``."""
-    from zeroplan.advice.check import expand_config_paths
+    from zeroplan.advice.config_paths import expand_config_paths
 
     return expand_config_paths([configs] if isinstance(configs, str) else list(configs), expand_globs=expand_globs)
 

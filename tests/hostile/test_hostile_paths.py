@@ -397,6 +397,47 @@ def test_check_paths_are_literal_and_glob_is_explicit(tmp_path, monkeypatch):
     assert "--glob" in one_line_exit_2(runner.invoke(app, ["check", "nomatch*.json", *base]))
 
 
+def _tree(root: Path) -> None:
+    """configs/a.json, configs/sub/b.json, configs/.hidden/c.json, a loop configs/sub/up -> configs, a
+    symlink configs/link.json -> a.json and a hard link configs/hard.json to sub/b.json."""
+    (root / "configs" / "sub").mkdir(parents=True)
+    (root / "configs" / ".hidden").mkdir()
+    for rel in ("configs/a.json", "configs/sub/b.json", "configs/.hidden/c.json"):
+        (root / rel).write_text(json.dumps(DS))
+    os.symlink("..", root / "configs" / "sub" / "up")
+    os.symlink("a.json", root / "configs" / "link.json")
+    os.link(root / "configs" / "sub" / "b.json", root / "configs" / "hard.json")
+
+
+def test_check_glob_enters_no_symlinked_directory_and_checks_each_file_once(tmp_path, monkeypatch):
+    """glob.glob(recursive=True) follows a link to a parent directory: one loop listed the same file once
+    per level (41 times), and /proc/** (/proc/self/root is /) walked for ever."""
+    from zeroplan.advice.config_paths import expand_config_paths
+
+    monkeypatch.chdir(tmp_path)
+    _tree(tmp_path)
+    assert expand_config_paths(["configs/**/*.json"], expand_globs=True) == ["configs/a.json", "configs/hard.json"]
+    assert expand_config_paths([str(tmp_path / "configs/**/b.json")], expand_globs=True) == [
+        str(tmp_path / "configs/sub/b.json")]
+    assert expand_config_paths(["configs/**/.hidden/*.json"], expand_globs=True) == ["configs/.hidden/c.json"]
+    assert expand_config_paths(["configs/**"], expand_globs=True) == ["configs/a.json", "configs/hard.json"]
+    # the same file by two names, a symlink or a hard link: once, under the first name given
+    assert expand_config_paths(["configs/a.json", "./configs/a.json", "configs/link.json"]) == ["configs/a.json"]
+    assert expand_config_paths(["configs/sub/b.json", "configs/hard.json"]) == ["configs/sub/b.json"]
+    with pytest.raises(InputError, match="the glob matches no file"):
+        expand_config_paths(["/proc/**/*.zeroplan-none"], expand_globs=True)
+
+
+def test_check_glob_stops_after_its_directory_bound(tmp_path, monkeypatch):
+    import zeroplan.advice.config_paths as cp
+
+    for i in range(5):
+        (tmp_path / f"d{i}").mkdir()
+    monkeypatch.setattr(cp, "MAX_GLOB_DIRS", 3)
+    with pytest.raises(InputError, match="walked over 3 directories"):
+        cp.expand_config_paths([str(tmp_path / "**/*.json")], expand_globs=True)
+
+
 def test_tilde_expands(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "ds.json").write_text(json.dumps(DS))

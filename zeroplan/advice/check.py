@@ -29,8 +29,6 @@ file, evaluates its plan and runs them. Imports: module level only.
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,7 @@ from pydantic import BaseModel, Field
 
 from zeroplan._util import InputError, display_path, expand_path, read_text_file
 from zeroplan.advice.alternatives import AdviceContext, bucket_latency_share
+from zeroplan.advice.config_paths import expand_config_paths
 from zeroplan.advice.check_rules import CHECK_RULES, capacity_rules, comm_rules, stage_rules
 from zeroplan.advice.reasons import Alternative, Quantity, Reason
 from zeroplan.core.finetune_inputs import FINETUNE_KEYS
@@ -61,7 +60,6 @@ __all__ = [
 ]
 
 
-_GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 class LocatedFinding(Finding):
@@ -120,40 +118,6 @@ class CheckReport(BaseModel):
     counts: dict[str, int]
     files: list[ConfigCheck]
     rule_descriptions: dict[str, str]
-
-
-def expand_config_paths(patterns: list[str], *, expand_globs: bool = False) -> list[str]:
-    """Paths → existing files, in order, without duplicates; ``~``/``~user`` expanded.
-
-    Paths are taken literally (a file named ``ds[1].json`` is that file). With
-    ``expand_globs`` (``check --glob``) each argument is a glob (``**`` recursive) instead.
-    A glob matching nothing, a missing path or a directory is an InputError (exit 2).
-    """
-    if not patterns:
-        raise InputError("check needs at least one DeepSpeed config path")
-    out: list[str] = []
-    for pat in patterns:
-        shown = display_path(pat)
-        pat = expand_path(pat)
-        if expand_globs:
-            hits = sorted(h for h in glob.glob(pat, recursive=True) if os.path.isfile(h))
-            if not hits:
-                raise InputError(f"{shown}: the glob matches no file")
-        else:
-            try:
-                exists, is_dir = os.path.exists(pat), os.path.isdir(pat)
-            except (OSError, ValueError) as exc:
-                raise InputError(f"{shown}: cannot read DeepSpeed config: {exc}") from None
-            if not exists:
-                hint = " (to expand it as a glob, pass --glob)" if _GLOB_CHARS.search(pat) else ""
-                raise InputError(f"{shown}: DeepSpeed config not found{hint}")
-            if is_dir:
-                raise InputError(f"{shown}: is a directory; give config files, or --glob '{shown.rstrip('/')}/*.json'")
-            hits = [pat]
-        for h in hits:
-            if h not in out:
-                out.append(h)
-    return out
 
 
 def _summary(plan: Plan, training: Any) -> PlanSummary:

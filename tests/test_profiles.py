@@ -323,8 +323,10 @@ def test_algorithms_of_the_wrong_type_say_what_was_expected(tmp_path, value, exp
     [
         ("gpu", "memory_bytes", 80, "bytes"),  # 80 "GB" written as bytes
         ("gpu", "hbm_bandwidth_GBps", 3.35, "TB/s"),  # TB/s written as GB/s
-        ("inter_node", "efficiency", 0.0, "(0, 1]"),
-        ("intra_node", "efficiency", 1.2, "(0, 1]"),
+        ("inter_node", "efficiency", 0.0, "[0.01, 1]"),
+        ("intra_node", "efficiency", 1.2, "[0.01, 1]"),
+        ("inter_node", "efficiency", 1e-308, "[0.01, 1]"),  # was accepted: every collective took inf seconds
+        ("intra_node", "efficiency", 0.008, "[0.01, 1]"),  # 0.8 written as a percentage of a percent
         ("inter_node", "latency_us", 0.005, "microseconds"),  # 5 ns: seconds/us confusion
         ("intra_node", "latency_us", 50000.0, "microseconds"),  # 50 us written in ns
         ("overhead", "fragmentation_fraction", 10.0, "fraction"),  # a percentage

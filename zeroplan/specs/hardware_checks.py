@@ -50,13 +50,15 @@ _BOUNDS: dict[str, tuple[float, float, str, str, bool]] = {
     "overhead.nccl_bytes": (0, 16 * GiB, "0 to 16 GiB, in bytes", "bytes, not MiB or GiB?", True),
 }
 _NCCL_ALGORITHMS = ("ring", "tree", "nvls", "collnet")
-# path -> (zero allowed, highest, expected)
+# path -> (lowest, highest, expected). An efficiency is at least 0.01: below, a link moves under 1% of its
+# rate (a typo: 0.008 for 0.8), and 1e-308 made every collective time inf, which JSON cannot carry.
+# Profiles that bench collectives calibrates write 1.0 (their bandwidth is the measured bus bandwidth).
 _FRACTIONS = {
-    "intra_node.efficiency": (False, 1.0, "a fraction in (0, 1], e.g. 0.8 for 80%"),
-    "inter_node.efficiency": (False, 1.0, "a fraction in (0, 1], e.g. 0.8 for 80%"),
-    "overhead.fragmentation_fraction": (True, 0.5, "a fraction in [0, 0.5] of the churned bytes, e.g. 0.36 for 36%"),
-    "node.overlap_slowdown": (True, 1.0, "a fraction in [0, 1] of the hidden communication time (0 = hidden for "
-                                         "free, 1 = nothing hides), e.g. 0.15"),
+    "intra_node.efficiency": (0.01, 1.0, "a fraction in [0.01, 1], e.g. 0.8 for 80%"),
+    "inter_node.efficiency": (0.01, 1.0, "a fraction in [0.01, 1], e.g. 0.8 for 80%"),
+    "overhead.fragmentation_fraction": (0.0, 0.5, "a fraction in [0, 0.5] of the churned bytes, e.g. 0.36 for 36%"),
+    "node.overlap_slowdown": (0.0, 1.0, "a fraction in [0, 1] of the hidden communication time (0 = hidden for "
+                                        "free, 1 = nothing hides), e.g. 0.15"),
 }
 
 
@@ -194,9 +196,8 @@ def validate_profile(profile: HardwareProfile, where: str | None = None) -> Hard
                 msg = f"{w}: key {key} = {_fmt(v)} is outside the plausible range {span}"
                 raise InputError(msg + (f"; {hint}" if hint else ""))
         elif key in _FRACTIONS:
-            zero_ok, high, expected = _FRACTIONS[key]
-            ok = (0 <= v <= high) if zero_ok else (0 < v <= high)
-            if not ok:
+            low, high, expected = _FRACTIONS[key]
+            if not low <= v <= high:
                 raise InputError(f"{w}: key {key} = {_fmt(v)} is out of range; expected {expected}")
     # NVMe: both zero or both set.
     if (profile.node.nvme_bandwidth_GBps == 0) != (profile.node.nvme_capacity_bytes == 0):

@@ -51,7 +51,7 @@ class LinkSpec(_Strict):
     name: str  # "NVLink4", "NDR InfiniBand 8x400Gb/s", "100GbE"
     bandwidth_GBps_per_gpu: float  # unidirectional 1e9 B/s available per GPU on this tier
     latency_us: float  # per collective step (alpha)
-    efficiency: float  # achievable fraction of bandwidth_GBps_per_gpu, 0 < e <= 1
+    efficiency: float  # achievable fraction of bandwidth_GBps_per_gpu, 0.01 <= e <= 1 (hardware_checks)
     # NCCL algorithms this tier offers (core/nccl_model.py): "ring", "tree", "nvls" (NVLink
     # SHARP, NVSwitch gen 3+), "collnet" (IB SHARP); None = ring and tree
     algorithms: list[str] | None = None

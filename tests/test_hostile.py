@@ -637,6 +637,20 @@ def test_option_values(args, needle):
     assert_rejected(r, needle)
 
 
+@pytest.mark.parametrize("argv,what", [
+    (["estimate", "--model", "llama-2-7b", "--gpus", "8", "--ds-config", ""], "DeepSpeed config"),
+    (["estimate", "--model", "llama-2-7b", "--gpus", "8", "--hf-args", ""], "HF Trainer arguments"),
+    (["estimate", "--model", "llama-2-7b", "--gpus", "8", "--axolotl", ""], "axolotl config"),
+    (["estimate", "--model", "llama-2-7b", "--gpus", "8", "--accelerate-config", ""], "Accelerate config"),
+    (["estimate", "--model", "llama-2-7b", "--gpus", "8", "--llama-factory", ""], "LLaMA-Factory config"),
+    (["nccl-log", ""], "NCCL log"),
+])
+def test_an_empty_input_path_is_named_as_such(argv, what):
+    """It read ': DeepSpeed config not found' (an empty name before the colon)."""
+    line = assert_rejected(invoke(argv), f"{what} path is empty")
+    assert not line.split("error:", 1)[-1].strip().startswith(":")
+
+
 @pytest.mark.parametrize("argv", [
     ["estimate", "--model", "llama-2-7b", "--gpus", "8", "--mfu", "{v}"],
     ["estimate", "--model", "llama-2-7b", "--gpus", "8", "--lora-alpha", "{v}"],

@@ -379,6 +379,8 @@ def read_input_bytes(path: str | os.PathLike, what: str = "file", max_bytes: int
     at ``max_bytes`` + 1 whatever the file claims its size is.
     """
     shown = display_path(path)
+    if not os.fspath(path):  # `--ds-config ""` printed ": DeepSpeed config not found"
+        raise InputError(f"{what} path is empty (''); expected the path to the {what} file")
     p = expand_path(path)
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))

@@ -428,6 +428,18 @@ def test_check_glob_enters_no_symlinked_directory_and_checks_each_file_once(tmp_
         expand_config_paths(["/proc/**/*.zeroplan-none"], expand_globs=True)
 
 
+def test_check_glob_matching_is_linear_in_a_pattern_of_many_double_stars():
+    """Matching is memoised on (pattern, path) positions: 16 ``**`` against 40 directories would branch
+    into billions of ways without it."""
+    from zeroplan.advice.config_paths import _matches
+
+    deep = ["d"] * 40
+    assert not _matches(["**", "*"] * 16 + ["x.json"], deep + ["y.json"])
+    assert _matches(["**", "*"] * 16 + ["*.json"], deep + ["y.json"])
+    assert not _matches(["**", "*.json"], [".hidden", "y.json"]) and _matches(["**", ".hidden", "*.json"],
+                                                                             ["a", ".hidden", "y.json"])
+
+
 def test_check_glob_stops_after_its_directory_bound(tmp_path, monkeypatch):
     import zeroplan.advice.config_paths as cp
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import glob
 import os
 import re
@@ -34,25 +35,29 @@ def _component_matches(pattern: str, name: str) -> bool:
 
 
 def _matches(pattern: list[str], parts: list[str]) -> bool:
-    """Does the relative path ``parts`` match ``pattern`` (components; ``**`` = zero or more directories)?"""
-    if not pattern:
-        return not parts
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        if not rest:  # a trailing ``**``: every file below, hidden names excepted
-            return all(not p.startswith(".") for p in parts)
-        if _matches(rest, parts):
-            return True
-        # ``**`` takes one more directory (never the file itself, never a hidden one)
-        return len(parts) > 1 and not parts[0].startswith(".") and _matches(pattern, parts[1:])
-    return bool(parts) and _component_matches(head, parts[0]) and _matches(rest, parts[1:])
+    """Does the relative path ``parts`` match ``pattern`` (components; ``**`` = zero or more directories)?
+    Memoised on positions, so a pattern of many ``**`` costs len(pattern) × len(parts), not a power."""
+
+    @functools.lru_cache(maxsize=None)
+    def match(i: int, j: int) -> bool:
+        if i == len(pattern):
+            return j == len(parts)
+        if pattern[i] == "**":
+            if i == len(pattern) - 1:  # a trailing ``**``: every file below, hidden names excepted
+                return all(not p.startswith(".") for p in parts[j:])
+            # ``**`` takes no directory, or one more (never the file itself, never a hidden one)
+            return match(i + 1, j) or (len(parts) - j > 1 and not parts[j].startswith(".") and match(i, j + 1))
+        return j < len(parts) and _component_matches(pattern[i], parts[j]) and match(i + 1, j + 1)
+
+    return match(0, 0)
 
 
 def _walk_glob(pat: str, shown: str) -> list[str]:
     """Files matching a ``**`` glob, sorted; symlinked directories are not entered."""
     parts = pat.split(os.sep)
     first_magic = next(i for i, p in enumerate(parts) if _GLOB_CHARS.search(p))
-    root_parts, pattern = parts[:first_magic], parts[first_magic:]
+    root_parts = parts[:first_magic]
+    pattern = [p for p in parts[first_magic:] if p not in ("", os.curdir)]  # a//b and a/./b are a/b
     root = os.sep.join(root_parts) if root_parts else "."
     if pat.startswith(os.sep) and not root:
         root = os.sep

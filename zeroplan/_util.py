@@ -65,7 +65,8 @@ class InputError(Exception):
 _NAME_MAX_BYTES = 255  # NAME_MAX on Linux/macOS file systems
 _TMP_RANDOM_BYTES = 8 + len(".tmp")  # mkstemp's random part + our suffix
 _LIVE_TEMPS: set[str] = set()
-_CLEANUP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}  # temp files being written: removed on these and at exit
+# temp files being written are removed on these signals and at exit
+_CLEANUP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def display_path(path: str | os.PathLike) -> str:

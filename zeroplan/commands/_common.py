@@ -142,7 +142,8 @@ Kernels = Annotated[Optional[str], typer.Option(
          "DeepSpeed runs it, and FSDP mixed precision); unfused-amp: the same under torch.autocast with fp32 "
          "weights (DDP + AMP). Unfused code moves several times more bytes through HBM per token.")]
 Mfu = Annotated[Optional[float], typer.Option(
-    "--mfu", metavar="FRACTION", parser=finite_float, show_default="the compute model (FLOPs from the architecture at a rate by GPU "
+    "--mfu", metavar="FRACTION", parser=finite_float,
+    show_default="the compute model (FLOPs from the architecture at a rate by GPU "
     "generation and shape)", help="Override the compute model with a fixed model FLOPs utilisation (0–1].")]
 Strict = Annotated[bool, typer.Option(
     "--strict/--no-strict",

@@ -68,7 +68,8 @@ def cpu_adam(
     warmup: int = typer.Option(_DEFAULT.warmup, "--warmup",
                                help=f"Untimed steps per process (0 to {MAX_REPEATS:,})."),
     iters: int = typer.Option(_DEFAULT.iters, "--iters", help=f"Timed steps per process (1 to {MAX_REPEATS:,})."),
-    timeout: float = typer.Option(600.0, "--timeout", parser=finite_float, help="Seconds before hung processes are killed."),
+    timeout: float = typer.Option(600.0, "--timeout", parser=finite_float,
+                                  help="Seconds before hung processes are killed."),
     save_profile: Optional[str] = typer.Option(None, "--save-profile",
                                                help="Write --hardware's profile with "
                                                     "node.cpu_adam_params_per_s_per_core set to the measurement "

@@ -61,7 +61,8 @@ def overlap(
     iters: int = typer.Option(10, "--iters", help=f"Timed repetitions per measurement (1 to {MAX_REPEATS:,})."),
     nproc: int = typer.Option(2, "--nproc", help="Local ranks to start (ignored under torchrun, which sets the world)."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl if CUDA is available, else gloo), nccl or gloo."),
-    timeout: float = typer.Option(600.0, "--timeout", parser=finite_float, help="Seconds before hung ranks are killed."),
+    timeout: float = typer.Option(600.0, "--timeout", parser=finite_float,
+                                  help="Seconds before hung ranks are killed."),
     save_profile: Optional[str] = typer.Option(None, "--save-profile",
                                                help="Write --hardware's profile with node.overlap_slowdown set to the "
                                                     "measurement (TOML, atomic)."),

@@ -201,6 +201,9 @@ def _resolve_output(path: str | os.PathLike, option: str = "") -> tuple[Path, os
         raise InputError(f"{shown}: cannot write: {exc.strerror or exc}") from None
     _refuse_input_overwrite(st, shown)
     if target.parts[1:2] in (("proc",), ("sys",)):  # kernel pseudo-files: stat says "regular", size 0
+        if target.parent.name == "fd":  # /dev/stdout into a pipe: /proc/<pid>/fd/pipe:[N]
+            raise InputError(f"{shown}: resolves to {target}, an open pipe or socket, not a file; write to "
+                             "stdout with '-' where the option takes it, or give a file path")
         raise InputError(f"{shown}: resolves to {target}, a kernel pseudo-file under /{target.parts[1]}; "
                          "expected a path to a regular file to write")
     if st is not None and not stat.S_ISREG(st.st_mode):

@@ -258,6 +258,17 @@ def test_kernel_pseudo_files_are_refused_before_work(cmd, how, tmp_path):
     assert snapshot(tmp_path) == before
 
 
+def test_an_output_that_is_a_pipe_through_proc_suggests_stdout():
+    """`--html /dev/stdout | cat`: /dev/stdout resolves to /proc/<pid>/fd/pipe:[N]."""
+    r, w = os.pipe()
+    try:
+        with pytest.raises(InputError, match="an open pipe or socket, not a file; write to stdout with '-'"):
+            validate_output_path(f"/proc/self/fd/{w}", option="--html")
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_report_counts_the_bytes_it_wrote_to_a_character_device(tmp_path):
     """'wrote PATH (N bytes)' counts what was written: /dev/null has no size to stat afterwards."""
     r = runner.invoke(app, WRITERS["report --html"]("/dev/null", _ds(tmp_path)))
@@ -421,6 +432,16 @@ def test_check_glob_enters_no_symlinked_directory_and_checks_each_file_once(tmp_
         str(tmp_path / "configs/sub/b.json")]
     assert expand_config_paths(["configs/**/.hidden/*.json"], expand_globs=True) == ["configs/.hidden/c.json"]
     assert expand_config_paths(["configs/**"], expand_globs=True) == ["configs/a.json", "configs/hard.json"]
+    # as glob: a component before a trailing ** is a directory (a.json/** lists nothing); a trailing slash
+    # lists directories only, so no config
+    assert expand_config_paths(["configs/*/**"], expand_globs=True) == ["configs/sub/b.json"]
+    for pattern in ("configs/*.json/**", "configs/**/"):
+        with pytest.raises(InputError, match="the glob matches no file"):
+            expand_config_paths([pattern], expand_globs=True)
+    with pytest.raises(InputError, match="DeepSpeed config path is empty"):
+        expand_config_paths([""])
+    with pytest.raises(InputError, match="--glob pattern is empty"):
+        expand_config_paths([""], expand_globs=True)
     # the same file by two names, a symlink or a hard link: once, under the first name given
     assert expand_config_paths(["configs/a.json", "./configs/a.json", "configs/link.json"]) == ["configs/a.json"]
     assert expand_config_paths(["configs/sub/b.json", "configs/hard.json"]) == ["configs/sub/b.json"]

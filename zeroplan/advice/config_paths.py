@@ -43,8 +43,8 @@ def _matches(pattern: list[str], parts: list[str]) -> bool:
         if i == len(pattern):
             return j == len(parts)
         if pattern[i] == "**":
-            if i == len(pattern) - 1:  # a trailing ``**``: every file below, hidden names excepted
-                return all(not p.startswith(".") for p in parts[j:])
+            if i == len(pattern) - 1:  # a trailing ``**``: every file below (at least one name), hidden excepted
+                return j < len(parts) and all(not p.startswith(".") for p in parts[j:])
             # ``**`` takes no directory, or one more (never the file itself, never a hidden one)
             return match(i + 1, j) or (len(parts) - j > 1 and not parts[j].startswith(".") and match(i, j + 1))
         return j < len(parts) and _component_matches(pattern[i], parts[j]) and match(i + 1, j + 1)
@@ -54,6 +54,8 @@ def _matches(pattern: list[str], parts: list[str]) -> bool:
 
 def _walk_glob(pat: str, shown: str) -> list[str]:
     """Files matching a ``**`` glob, sorted; symlinked directories are not entered."""
+    if pat.endswith(os.sep):
+        return []  # glob lists only directories for a pattern ending in a slash, and check reads files
     parts = pat.split(os.sep)
     first_magic = next(i for i, p in enumerate(parts) if _GLOB_CHARS.search(p))
     root_parts = parts[:first_magic]
@@ -88,6 +90,8 @@ def _glob_files(pat: str, shown: str) -> list[str]:
 
 
 def _literal_file(pat: str, shown: str) -> str:
+    if not pat:
+        raise InputError("DeepSpeed config path is empty (''); expected the path to a DeepSpeed config file")
     try:
         exists, is_dir = os.path.exists(pat), os.path.isdir(pat)
     except (OSError, ValueError) as exc:
@@ -111,6 +115,8 @@ def expand_config_paths(patterns: list[str], *, expand_globs: bool = False) -> l
         shown = display_path(pat)
         pat = expand_path(pat)
         if expand_globs:
+            if not pat:
+                raise InputError("--glob pattern is empty (''); expected a glob such as 'configs/**/*.json'")
             hits = _glob_files(pat, shown)
             if not hits:
                 raise InputError(f"{shown}: the glob matches no file")

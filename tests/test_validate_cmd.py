@@ -82,6 +82,8 @@ def test_validate_without_cuda_is_one_line_exit_2(tmp_path):
     ("under-a-file", "is not a directory, so the directory cannot be created"),
     ("proc", "under /proc, a kernel pseudo-filesystem"),
     ("report-link", "a kernel pseudo-file under /proc"),
+    ("dangling", "which does not exist (or loops)"),  # mkdir failed on the link after the measurements
+    ("loop", "which does not exist (or loops)"),
 ])
 def test_a_bad_output_is_refused_before_the_gpu_is_looked_for(kind, needle, tmp_path, monkeypatch):
     """--output is checked before torch or CUDA: on a GPU node a typo would otherwise surface only when
@@ -94,7 +96,12 @@ def test_a_bad_output_is_refused_before_the_gpu_is_looked_for(kind, needle, tmp_
     monkeypatch.setattr(cmd, "cuda_status", lambda: pytest.fail("looked for CUDA before checking --output"))
     (tmp_path / "f").write_text("x")
     out = {"file": tmp_path / "f", "under-a-file": tmp_path / "f" / "sub", "proc": Path("/proc/self/zp-out"),
-           "report-link": tmp_path / "d"}[kind]
+           "report-link": tmp_path / "d", "dangling": tmp_path / "d", "loop": tmp_path / "d"}[kind]
+    if kind == "dangling":
+        os.symlink(tmp_path / "nowhere", out)
+    if kind == "loop":
+        os.symlink(tmp_path / "d2", out)
+        os.symlink(out, tmp_path / "d2")
     if kind == "report-link":
         out.mkdir()
         os.symlink("/proc/self/mem", out / "validation.json")
@@ -102,7 +109,8 @@ def test_a_bad_output_is_refused_before_the_gpu_is_looked_for(kind, needle, tmp_
     assert r.exit_code == 2, r.output[-600:]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.output, r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == (["d", "f"] if kind == "report-link" else ["f"])
+    expected = {"report-link": ["d", "f"], "dangling": ["d", "f"], "loop": ["d", "d2", "f"]}.get(kind, ["f"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == expected
 
 
 def test_validate_bad_checks_is_bad_input(tmp_path):

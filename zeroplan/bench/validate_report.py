@@ -51,19 +51,29 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def check_validation_dir(out_dir: str) -> Path:
-    """The directory ``validate --output`` names, checked before any measurement: an existing directory
-    whose two report files are writable paths (not inputs, links to devices or kernel files), or a
-    path whose nearest existing ancestor is a writable directory (it is created). InputError if not."""
+    """The directory ``validate --output`` names, checked before any measurement: an existing, writable
+    directory whose two report files are writable paths (not inputs, links to devices or kernel files), or
+    a path whose nearest existing ancestor is a writable directory (it is created). InputError if not."""
     d = Path(expand_path(out_dir))
-    if d.exists() and not d.is_dir():
-        raise InputError(f"--output {out_dir}: exists and is not a directory; expected a directory")
-    if d.exists():
-        for name in (JSON_NAME, MD_NAME):
-            validate_output_path(d / name, option="--output")
-        return d
-    ancestor = Path(os.path.realpath(d)).parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    try:
+        exists, is_link = d.exists(), d.is_symlink()
+        if is_link and not exists:  # mkdir would fail on the link ("File exists") after the measurements
+            raise InputError(f"--output {out_dir}: a symlink to {os.readlink(d)!r}, which does not exist (or "
+                             "loops); expected a directory, or a path where one can be created")
+        if exists:
+            if not d.is_dir():
+                raise InputError(f"--output {out_dir}: exists and is not a directory; expected a directory")
+            if not os.access(d, os.W_OK | os.X_OK):
+                raise InputError(f"--output {out_dir}: directory is not writable; expected one the reports can "
+                                 "be written into")
+            for name in (JSON_NAME, MD_NAME):
+                validate_output_path(d / name, option="--output")
+            return d
+        ancestor = Path(os.path.realpath(d)).parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+    except OSError as exc:  # a parent the user cannot search (EACCES), a name too long
+        raise InputError(f"--output {out_dir}: cannot inspect the path: {exc.strerror or exc}") from None
     if ancestor.parts[1:2] in (("proc",), ("sys",)):
         raise InputError(f"--output {out_dir}: under /{ancestor.parts[1]}, a kernel pseudo-filesystem; "
                          "expected a directory to write validation.json and validation.md into")

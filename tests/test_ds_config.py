@@ -546,6 +546,9 @@ def test_malformed_json_names_line_and_column(tmp_path, text, line, col):
     ('{"a": 1, "a": 2}', "duplicate key 'a'"),
     ('{"a": NaN}', "line 1 column 7: NaN is not a JSON number"),  # the literal, not hjson's error at the end
     ('{\n "a": 1,\n "b": -Infinity}', "line 3 column 7: -Infinity is not a JSON number"),
+    ('{"a": NaN, "b": Infinity}', "line 1 column 7: NaN is not a JSON number"),
+    # a NaN in a comment is not blamed for another error (here the missing brace at the end)
+    ('{\n  // skip steps whose loss is NaN\n  "a": {"b": 2\n}\n', r"line 5 column 1: not valid JSON/hjson \(Bad key"),
     ('[1, 2]', "expected an object"),
 ])
 def test_other_parse_errors(text, part):

@@ -9,6 +9,7 @@ and trailing commas are accepted; ``parse_ds_json`` also says whether the text u
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -85,6 +86,27 @@ def _key_position(text: str, key: str) -> str:
     return ""
 
 
+_CULPRIT_TRIES = 4  # literals tried one by one (each a re-parse): a file of 100,000 NaN stays linear
+
+
+def _culprit_constant(text: str, hjson: Any) -> re.Match[str] | None:
+    """The first NaN/Infinity literal whose replacement by ``null`` makes ``text`` parse (or the first of
+    them when only replacing all does): the cause of hjson's error. A NaN in a comment or a string, or a
+    file with another error too, gives None."""
+    found = list(itertools.islice(_NONFINITE.finditer(text), _CULPRIT_TRIES))
+    for m in found:
+        try:
+            hjson.loads(text[:m.start()] + "null" + text[m.end():])
+        except Exception:  # noqa: BLE001 - any failure: this literal is not the only cause
+            continue
+        return m
+    try:  # several on one line ({"a": NaN, "b": Infinity}): the first, when all of them are the cause
+        hjson.loads(_NONFINITE.sub("null", text))
+    except Exception:  # noqa: BLE001
+        return None
+    return found[0] if found else None
+
+
 def parse_ds_json(text: str, where: str = "<config>") -> tuple[dict[str, Any], bool]:
     """Parse a DeepSpeed config as DeepSpeed does; returns (dict, used_hjson_extensions).
 
@@ -107,7 +129,7 @@ def parse_ds_json(text: str, where: str = "<config>") -> tuple[dict[str, Any], b
             f"{where}:{_key_position(text, key)} duplicate key {key!r} in a JSON object "
             "(DeepSpeed rejects duplicate keys)") from None
     except hjson.HjsonDecodeError as exc:
-        const = _NONFINITE.search(text)
+        const = _culprit_constant(text, hjson)
         if const:  # hjson reads an unquoted NaN to the end of its line as a string: the error lands later
             line, col = _line_col(text, const.start())
             raise InputError(

@@ -95,6 +95,7 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
     ("axolotl", "base_model: gpt2\n2024-01-01: x\n", "key '2024-01-01' reads as a date"),
     ("accelerate", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  1.5: x\n", ":3:3: not valid YAML (key '1.5'"),
     ("llama-factory", "model_name_or_path: gpt2\n~: 1\n", "key '~' reads as null"),
+    ("llama-factory", "model_name_or_path: gpt2\n? !!set {a, b}\n: 1\n", ":2:3: not valid YAML (a key that is a set;"),
 ])
 def test_bad_training_files_are_one_line_input_errors(tmp_path, fmt, text, needle):
     p = _write(tmp_path, "f.json" if text.lstrip().startswith(("{", "[")) else "f.yaml", text)

@@ -203,6 +203,9 @@ class Terminated(BaseException):
     """SIGTERM or SIGHUP (the terminal or SSH session went away) as an exception, so ``finally``
     blocks and context managers remove temp files; ``args[0]`` is the signal number."""
 
+    def __str__(self) -> str:
+        return f"terminated by {signal.Signals(self.args[0]).name}" if self.args else "terminated"
+
 
 _TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 

@@ -53,9 +53,11 @@ def finite_float(text: str) -> float:
     """Parse a float option as typed; refuse what is not a finite number (``1e400`` would become inf
     and ``nan`` compares false with every bound), naming the text the user gave."""
     try:
+        if not str(text).isascii():  # float() also reads full-width and other Unicode digits
+            raise ValueError(text)
         value = float(text)
     except (TypeError, ValueError):
-        raise typer.BadParameter(f"{text!r} is not a number") from None
+        raise typer.BadParameter(f"{text!r} is not a number (ASCII digits, e.g. 0.5)") from None
     if value != value or value in (float("inf"), float("-inf")):
         raise typer.BadParameter(f"{text!r} is not a finite number")
     return value

@@ -7,7 +7,7 @@ package ``zeroplan.hardware_profiles``; users pass a path to their own). Units, 
 - bandwidths are ``GBps`` = 10**9 bytes/s, **unidirectional**, and link bandwidths are
   **per GPU** (a 400 Gb/s NIC = 50 GB/s; one NIC shared by 8 GPUs gives each 1/8 of it);
 - ``latency_us`` is microseconds per collective step (the alpha of an alpha-beta model);
-- ``efficiency`` is the achievable fraction of ``bandwidth_GBps_per_gpu`` (0 < e <= 1);
+- ``efficiency`` is the achievable fraction of ``bandwidth_GBps_per_gpu`` (0.01 <= e <= 1);
 - ``peak_flops`` are dense (no sparsity) FLOP/s per dtype.
 
 Every numeric field needs an entry in ``sources`` keyed by its dotted path

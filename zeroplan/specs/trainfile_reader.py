@@ -68,8 +68,9 @@ def _yaml_loader() -> type:
                 if not isinstance(key, str):  # `1: x`, `true: x`, `null: x`, a date: every format's keys are names
                     raise yaml.constructor.ConstructorError(
                         "while constructing a mapping", node.start_mark,
-                        f"key {key_node.value!r} reads as {data_kind(key)}; expected a name (quote it to mean "
-                        "the text)", key_node.start_mark)
+                        (f"key {key_node.value!r} reads as {data_kind(key)}" if isinstance(key_node.value, str)
+                         else f"a key that is {data_kind(key)}") + "; expected a name (quote it to mean the text)",
+                        key_node.start_mark)
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 

@@ -262,7 +262,7 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_
     ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
     ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
     ({"WORLD_SIZE": "-2"}, "WORLD_SIZE='-2'"),
-    ({"WORLD_SIZE": "1" * 400}, "WORLD_SIZE="),
+    ({"WORLD_SIZE": "1" * 400}, "expected a whole number >= 1 of at most 9 digits"),  # a whole number, too long
     ({"RANK": "1"}, "RANK=1: expected a rank below WORLD_SIZE=1"),
     ({"RANK": "x"}, "RANK='x'"),
     ({"RANK": "٣"}, "RANK="),  # an Arabic-Indic digit: str.isdigit() says yes, int() agrees; torch does not

@@ -54,7 +54,9 @@ def _env_int(name: str, minimum: int, required: bool = True) -> int | None:
             raise InputError(f"environment {name} is not set: expected a whole number >= {minimum} (set by torchrun)")
         return None
     if not _WHOLE.fullmatch(raw.strip()) or int(raw) < minimum:
-        raise InputError(f"environment {name}={raw!r}: expected a whole number >= {minimum}")
+        too_long = raw.strip().isascii() and raw.strip().isdigit()  # digits, more than 9 of them
+        raise InputError(f"environment {name}={raw!r}: expected a whole number >= {minimum}"
+                         + (" of at most 9 digits" if too_long else ""))
     return int(raw)
 
 

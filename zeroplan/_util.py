@@ -33,6 +33,7 @@ __all__ = [
     "fmt_gib",
     "read_text_file",
     "input_guard",
+    "kernel_fs_root",
     "read_input_bytes",
     "CONFIG_MAX_BYTES",
     "LOG_MAX_BYTES",
@@ -174,6 +175,12 @@ def _refuse_input_overwrite(st: os.stat_result | None, shown: str) -> None:
                          "command read; refusing to overwrite it")
 
 
+def kernel_fs_root(path: Path) -> str | None:
+    """``"proc"`` or ``"sys"`` when the resolved ``path`` lies under that kernel pseudo-filesystem (its files
+    stat as regular, of size 0, and take no temporary file beside them), else None."""
+    return path.parts[1] if path.parts[1:2] in (("proc",), ("sys",)) else None
+
+
 def _resolve_output(path: str | os.PathLike, option: str = "") -> tuple[Path, os.stat_result | None]:
     """(file to write, its stat or None when it does not exist yet), or InputError.
 
@@ -200,11 +207,12 @@ def _resolve_output(path: str | os.PathLike, option: str = "") -> tuple[Path, os
     except OSError as exc:
         raise InputError(f"{shown}: cannot write: {exc.strerror or exc}") from None
     _refuse_input_overwrite(st, shown)
-    if target.parts[1:2] in (("proc",), ("sys",)):  # kernel pseudo-files: stat says "regular", size 0
+    kernel_fs = kernel_fs_root(target)
+    if kernel_fs:
         if target.parent.name == "fd":  # /dev/stdout into a pipe: /proc/<pid>/fd/pipe:[N]
             raise InputError(f"{shown}: resolves to {target}, an open pipe or socket, not a file; write to "
                              "stdout with '-' where the option takes it, or give a file path")
-        raise InputError(f"{shown}: resolves to {target}, a kernel pseudo-file under /{target.parts[1]}; "
+        raise InputError(f"{shown}: resolves to {target}, a kernel pseudo-file under /{kernel_fs}; "
                          "expected a path to a regular file to write")
     if st is not None and not stat.S_ISREG(st.st_mode):
         if stat.S_ISDIR(st.st_mode):

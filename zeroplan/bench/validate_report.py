@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zeroplan._util import InputError, atomic_write_text, display_path, expand_path, validate_output_path
+from zeroplan._util import (InputError, atomic_write_text, display_path, expand_path, kernel_fs_root,
+                            validate_output_path)
 
 __all__ = ["render_markdown", "write_validation", "check_validation_dir", "JSON_NAME", "MD_NAME"]
 
@@ -74,8 +75,9 @@ def check_validation_dir(out_dir: str) -> Path:
             ancestor = ancestor.parent
     except OSError as exc:  # a parent the user cannot search (EACCES), a name too long
         raise InputError(f"--output {out_dir}: cannot inspect the path: {exc.strerror or exc}") from None
-    if ancestor.parts[1:2] in (("proc",), ("sys",)):
-        raise InputError(f"--output {out_dir}: under /{ancestor.parts[1]}, a kernel pseudo-filesystem; "
+    kernel_fs = kernel_fs_root(ancestor)
+    if kernel_fs:
+        raise InputError(f"--output {out_dir}: under /{kernel_fs}, a kernel pseudo-filesystem; "
                          "expected a directory to write validation.json and validation.md into")
     if not ancestor.is_dir():
         raise InputError(f"--output {out_dir}: {display_path(ancestor)} is not a directory, so the directory "

@@ -203,8 +203,12 @@ class Terminated(BaseException):
     """SIGTERM or SIGHUP (the terminal or SSH session went away) as an exception, so ``finally``
     blocks and context managers remove temp files; ``args[0]`` is the signal number."""
 
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signal.Signals(signum)
+
     def __str__(self) -> str:
-        return f"terminated by {signal.Signals(self.args[0]).name}" if self.args else "terminated"
+        return f"terminated by {self.signum.name}"
 
 
 _TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -280,9 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         _error("interrupted")
         code = 130
     except Terminated as exc:
-        signum = signal.Signals(exc.args[0] if exc.args else signal.SIGTERM)
-        _error(f"terminated ({signum.name})")
-        code = 128 + int(signum)
+        _error(f"terminated ({exc.signum.name})")
+        code = 128 + int(exc.signum)
     except (BrokenPipeError, UnicodeEncodeError) as exc:
         code = _output_error(exc)
     except _StdoutGone as exc:

@@ -122,9 +122,9 @@ def _check_gpu_free(need_bytes: int, ranks: int, what: str, lower: str) -> None:
                          f"{fmt_bytes(max(free))}) for {ranks} rank(s); lower {lower}")
 
 
-def check_repeats(iters: int, warmup: int, *, iters_flag: str = "--iters", bound: int = MAX_REPEATS) -> None:
-    """InputError unless 1 <= iters <= bound and 0 <= warmup <= bound (checked before any rank starts)."""
+def check_repeats(iters: int, warmup: int, *, iters_flag: str = "--iters") -> None:
+    """InputError unless 1 <= iters <= MAX_REPEATS and 0 <= warmup <= MAX_REPEATS (before any rank starts)."""
     for flag, value, low in ((iters_flag, iters, 1), ("--warmup", warmup, 0)):
-        if not low <= value <= bound:
-            why = " (refused as a likely typo: the run would outlast --timeout)" if value > bound else ""
-            raise InputError(f"{flag} {value:,}: expected a whole number from {low} to {bound:,}{why}")
+        if not low <= value <= MAX_REPEATS:
+            why = " (refused as a likely typo: the run would outlast --timeout)" if value > MAX_REPEATS else ""
+            raise InputError(f"{flag} {value:,}: expected a whole number from {low} to {MAX_REPEATS:,}{why}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import os
 import sys
 from typing import Any, Callable, List, Optional, TypeVar, get_type_hints
@@ -48,7 +49,6 @@ DEFAULT_MAX_COMM_SHARE: float = default_of(CheckOptions, "max_comm_share")
 DEFAULT_MAX_NODES: int = default_of(ReportOptions, "max_nodes")
 
 
-
 def finite_float(text: str) -> float:
     """Parse a float option as typed; refuse what is not a finite number (``1e400`` would become inf
     and ``nan`` compares false with every bound), naming the text the user gave."""
@@ -58,7 +58,7 @@ def finite_float(text: str) -> float:
         value = float(text)
     except (TypeError, ValueError):
         raise typer.BadParameter(f"{text!r} is not a number (ASCII digits, e.g. 0.5)") from None
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise typer.BadParameter(f"{text!r} is not a finite number")
     return value
 

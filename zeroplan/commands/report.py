@@ -12,7 +12,7 @@ from typing import Any, Optional
 import typer
 from typing_extensions import Annotated
 
-from zeroplan._util import InputError, atomic_write_text, validate_output_path
+from zeroplan._util import InputError, atomic_write_bytes, validate_output_path
 from zeroplan.commands._common import (
     DEFAULT_MAX_NODES, Json, console, handle_errors, options_from, print_json, with_fine_tuning_options,
     with_plan_options,
@@ -65,8 +65,9 @@ def _write_document(path: str, text: str, written: list[tuple[str, int]]) -> Non
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    atomic_write_text(path, text)
-    written.append((path, len(text.encode("utf-8"))))
+    data = text.encode("utf-8")
+    atomic_write_bytes(path, data)
+    written.append((path, len(data)))
 
 
 def report(

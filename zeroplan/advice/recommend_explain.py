@@ -70,6 +70,8 @@ def explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int | 
             "collectives ({algos}), {exposed} exposed after overlap (bracket {best}–{worst}; {hidden} hidden behind "
             "compute, which slows it by {slowdown}), {share} of the {step} step. Compute {compute} at MFU {mfu} "
             "({terms})"
+            + ("; the optimizer step on the GPU {gpu_opt} ({opt_gb} of HBM traffic, not overlapped)"
+               if t.gpu_optimizer_time_s else "")
             + ("; offload: PCIe copies {pcie}" if t.pcie_time_s else "")
             + (", CPU optimizer step {cpu_opt}" if t.cpu_optimizer_time_s else "")
             + (", NVMe swap {nvme}" if t.nvme_time_s else "") + ".",
@@ -79,7 +81,8 @@ def explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int | 
             algos=_algos(t), exposed=_S(t.exposed_time_s["estimate"]), best=_S(t.exposed_time_s["best"]),
             worst=_S(t.exposed_time_s["worst"]), hidden=_S(t.hidden_comm_s), slowdown=_S(t.overlap_slowdown_s),
             share=_F(t.comm_share), step=_S(t.step_time_s), compute=_S(t.compute_time_s), mfu=_F(t.mfu),
-            terms=_compute_terms(t), pcie=_S(t.pcie_time_s or 0.0), cpu_opt=_S(t.cpu_optimizer_time_s or 0.0),
+            terms=_compute_terms(t), gpu_opt=_S(t.gpu_optimizer_time_s), opt_gb=_B(t.gpu_optimizer_bytes),
+            pcie=_S(t.pcie_time_s or 0.0), cpu_opt=_S(t.cpu_optimizer_time_s or 0.0),
             nvme=_S(t.nvme_time_s or 0.0)))
         _explain_kernels(rec, inp, ex)
         if c.stage == 3 and rec.cluster.nodes > 1 and is_ethernet(hw.inter_node):

@@ -26,6 +26,7 @@ from zeroplan.core.layout import build_layout
 from zeroplan.core.finetune import ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.core.memory import memory_for_stage, step_reads_autograd
+from zeroplan.core.optimizer_step import optimizer_traffic
 from zeroplan.core.timing import estimate_time
 
 __all__: list[str] = []  # internal to recommend: _State, _Family, _Sweep
@@ -376,10 +377,12 @@ class _Sweep:
         pc = [PcieTransfer(direction=d, what=w, bytes_per_step=b, source=src) for (d, w, b, src), c in pcie.items()
               for _ in range(c)]
         zero = self.zero(s.stage, s.key)
-        cpu_params, nvme_bytes = offload_costs(self.layout(zero), self.inp.training, zero)
+        layout = self.train_layout(zero) or self.layout(zero)  # what the optimizer updates (build_ledger's tl)
+        cpu_params, nvme_bytes = offload_costs(layout, self.inp.training, zero)
         return CommLedger(flavour=self.comm_model, collectives=entries, bytes_per_gpu_per_step=total,
                           bytes_per_gpu_per_step_by_op=by_op, inter_node_bytes_per_gpu_per_step=0, pcie=pc,
-                          cpu_optimizer_params_per_gpu=cpu_params, nvme_bytes_per_gpu_per_step=nvme_bytes)
+                          cpu_optimizer_params_per_gpu=cpu_params, nvme_bytes_per_gpu_per_step=nvme_bytes,
+                          optimizer=optimizer_traffic(layout, self.inp.training, zero, flavour=self.comm_model))
 
     def time(self, ledger: Any, mb: int, ckpt: str) -> Any:
         return estimate_time(ledger, self.training(mb, ckpt), self.hw, active_params=self.spec.active_params,

@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field
 from zeroplan.core.grad_buckets import bucket_sizes, stage3_all_reduced
 from zeroplan.core.layout import Layout, ceil_div, greedy_buckets_after
 from zeroplan.core.memory_states import state_plan
+from zeroplan.core.optimizer_step import OptimizerTraffic, optimizer_traffic
 from zeroplan.core.stage3_fetch import stage3_gathers
 from zeroplan.core.stage3_live import replay_inputs
 from zeroplan.specs.collectives import sent_bytes
@@ -82,6 +83,7 @@ class CommLedger(BaseModel):
     pcie: list[PcieTransfer] = Field(default_factory=list)
     cpu_optimizer_params_per_gpu: int = 0  # parameters the CPU optimizer updates per step (optimizer offload)
     nvme_bytes_per_gpu_per_step: int = 0  # optimizer-state swap traffic to NVMe (read + write)
+    optimizer: OptimizerTraffic = Field(default_factory=OptimizerTraffic)  # the step's HBM passes on the GPU
     notes: list[str] = Field(default_factory=list)
 
 
@@ -187,6 +189,7 @@ def build_ledger(
         pcie=_pcie(B, tl, training, zero),
         cpu_optimizer_params_per_gpu=cpu_params,
         nvme_bytes_per_gpu_per_step=nvme_bytes,
+        optimizer=optimizer_traffic(tl, training, zero, flavour=comm_model),
         notes=notes,
     )
 

@@ -67,7 +67,8 @@ GENERATIONS: dict[str, Generation] = {
     "hopper": Generation(
         "Hopper (H100/H200/GH200)", 0.56, 0.36,
         "matmuls: llm-foundry MPT bf16 on H100 reaches 46% MFU at 7B, seq 2048, without checkpointing (its "
-        "benchmarking README) with the element-wise work below counted apart; attention: FlashAttention-2 "
+        "benchmarking README) with the element-wise work below counted apart (and the optimizer step, "
+        "core/optimizer_step.py: 2% of that row's step, within this fraction's precision); attention: FlashAttention-2 "
         "forward+backward reaches ~335-350 TFLOP/s on H100 SXM5 at head dim 128 (Dao 2023, arXiv:2307.08691, "
         "fig. 'Attention forward + backward speed on H100'), 0.35 of 989 TFLOP/s"),
     "ampere": Generation(

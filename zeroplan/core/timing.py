@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 
 from zeroplan._util import InputError
 from zeroplan.core.comm import CommLedger, LedgerEntry
-from zeroplan.core.compute import ComputeEstimate, estimate_compute, peak_flops
+from zeroplan.core.compute import HBM_EFFICIENCY, ComputeEstimate, estimate_compute, peak_flops
 from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
 from zeroplan.core.nccl_model import collective_choice
 from zeroplan.core.overlap import OVERLAP_SLOWDOWN, PhaseComm, overlap_slowdown, schedule_overlap
@@ -98,6 +98,8 @@ class TimeEstimate(BaseModel):
     exposed_time_s: dict[str, float]  # collectives only: {"best", "worst", "estimate"}; each <= comm_time_s
     pcie_time_s: float  # offload copies between host and GPU (exposed)
     cpu_optimizer_time_s: float = 0.0  # CPU optimizer step with optimizer offload (exposed)
+    gpu_optimizer_time_s: float = 0.0  # the optimizer step's HBM passes on the GPU (exposed; core/optimizer_step.py)
+    gpu_optimizer_bytes: int = 0  # the HBM bytes those passes read and write
     nvme_time_s: float = 0.0  # NVMe swap (exposed)
     offload_time_s: float  # CPU optimizer + NVMe (exposed; 0 without offload)
     overlap_slowdown_s: float = 0.0  # compute lost while hidden comm shares the GPU
@@ -150,6 +152,19 @@ def _nvme_time_s(ledger: CommLedger, hw: Any, ranks_per_node: int) -> float:
                          f"{hw.node.nvme_bandwidth_GBps} (no NVMe) but the plan offloads to NVMe")
     nvme_bw = hw.node.nvme_bandwidth_GBps * 1e9 / max(1, ranks_per_node)
     return nvme_bytes / nvme_bw if nvme_bw > 0 else 0.0
+
+
+def _gpu_optimizer_time_s(ledger: CommLedger, hw: Any, assumptions: list[str]) -> float:
+    """The optimizer step's passes on the GPU: its HBM bytes at the streaming rate (core/optimizer_step.py)."""
+    traffic = ledger.optimizer
+    if not traffic.passes:
+        return 0.0
+    rate_Bps = hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY
+    t = traffic.total_bytes / rate_Bps
+    assumptions.append(f"GPU optimizer step {t * 1e3:,.1f} ms: {traffic.total_bytes / 1e9:,.2f} GB of HBM traffic at "
+                       f"{HBM_EFFICIENCY:.0%} of {hw.gpu.hbm_bandwidth_GBps:,.0f} GB/s, not overlapped; "
+                       f"{traffic.describe()}")
+    return t
 
 
 def estimate_time(
@@ -212,13 +227,14 @@ def estimate_time(
         cpu_opt = ledger.cpu_optimizer_params_per_gpu / rate
         assumptions.append(rate_src)
     nvme = _nvme_time_s(ledger, hw, min(gpus_per_node, n_gpus))
+    gpu_opt = _gpu_optimizer_time_s(ledger, hw, assumptions)
     if ov.hidden_s:
         assumptions.append(f"overlap: hidden communication slows compute by {slowdown:.0%} of its time "
                            f"({slowdown_src})")
     off = pcie + cpu_opt + nvme
-    step = compute + ov.slowdown_s + ov.exposed_s + off
-    step_best = compute + ov.best_s + off
-    step_worst = compute + ov.worst_s + off
+    step = compute + ov.slowdown_s + ov.exposed_s + off + gpu_opt
+    step_best = compute + ov.best_s + off + gpu_opt
+    step_worst = compute + ov.worst_s + off + gpu_opt
     tokens = training.micro_batch * training.seq_len * training.grad_accum
     return TimeEstimate(
         compute_time_s=compute,
@@ -226,6 +242,8 @@ def estimate_time(
         exposed_time_s={"best": ov.best_s, "worst": ov.worst_s, "estimate": ov.exposed_s},
         pcie_time_s=pcie,
         cpu_optimizer_time_s=cpu_opt,
+        gpu_optimizer_time_s=gpu_opt,
+        gpu_optimizer_bytes=ledger.optimizer.total_bytes,
         nvme_time_s=nvme,
         offload_time_s=cpu_opt + nvme,
         overlap_slowdown_s=ov.slowdown_s,

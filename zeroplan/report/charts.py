@@ -55,6 +55,7 @@ MEMORY_CATEGORIES: tuple[_Part, ...] = (
 TIME_PARTS: tuple[_Part, ...] = (
     _Part("compute", "compute (with overlap slowdown)", "#59a14f", "green", "C"),
     _Part("exposed_comm", "exposed comm (schedule)", "#e15759", "red", "E"),
+    _Part("gpu_optimizer", "GPU optimizer step", "#76b7b2", "cyan", "S"),
     _Part("pcie", "offload PCIe copies", "#4e79a7", "blue", "P"),
     _Part("cpu_optimizer", "CPU optimizer step", "#b07aa1", "magenta", "O"),
     _Part("nvme", "NVMe swap", "#9c755f", "bright_black", "N"),
@@ -258,12 +259,13 @@ def render_memory_bars(con: Any, result: Any, *, title: str | None = None) -> No
 
 
 def time_parts(t: Any) -> list[float]:
-    """Seconds per TIME_PARTS entry for a TimeEstimate: the first five add up to the estimate
+    """Seconds per TIME_PARTS entry for a TimeEstimate: all but the last add up to the estimate
     (``step_time_s``); with the last (what no overlap at all adds) they add up to the worst case."""
     exp = t.exposed_time_s
     est = float(exp.get("estimate", (exp["best"] + exp["worst"]) / 2))
     slow = float(getattr(t, "overlap_slowdown_s", 0.0))
-    return [float(t.compute_time_s) + slow, est, float(getattr(t, "pcie_time_s", 0.0)),
+    return [float(t.compute_time_s) + slow, est, float(getattr(t, "gpu_optimizer_time_s", 0.0)),
+            float(getattr(t, "pcie_time_s", 0.0)),
             float(getattr(t, "cpu_optimizer_time_s", 0.0)), float(getattr(t, "nvme_time_s", 0.0)),
             max(0.0, float(exp["worst"]) - est - slow)]
 

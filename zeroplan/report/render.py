@@ -170,6 +170,8 @@ def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None)
             row("overlap slowdown", lambda p: seconds(p.time.overlap_slowdown_s))
         if any(p.time.pcie_time_s for p in result.stages):
             row("offload PCIe copies", lambda p: seconds(p.time.pcie_time_s))
+        if any(p.time.gpu_optimizer_time_s for p in result.stages):
+            row("GPU optimizer step", lambda p: seconds(p.time.gpu_optimizer_time_s))
         if any(p.time.cpu_optimizer_time_s for p in result.stages):
             row("CPU optimizer step", lambda p: seconds(p.time.cpu_optimizer_time_s))
         if any(p.time.nvme_time_s for p in result.stages):

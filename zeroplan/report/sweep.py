@@ -117,6 +117,7 @@ def _plan_summary(p: Plan) -> dict[str, Any]:
             "exposed_s": t.exposed_time_s.get("estimate", t.exposed_time_s["worst"]),
             "pcie_s": t.pcie_time_s,
             "cpu_optimizer_s": t.cpu_optimizer_time_s,
+            "gpu_optimizer_s": t.gpu_optimizer_time_s,
             "nvme_s": t.nvme_time_s,
             "parts": time_parts(t),
             "step_time_s": t.step_time_s,

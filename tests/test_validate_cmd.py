@@ -156,6 +156,24 @@ def test_optimizer_temporaries_foreach_vs_fused_on_cpu():
     assert rows["optimizer fused_adam"]["figure"] == "skipped"
 
 
+def test_optimizer_step_time_rows_on_cpu():
+    """The timed rows exist on CPU (their times mean nothing there and are not asserted); the predicted
+    times are the plan's HBM passes at the profile's streaming rate."""
+    pytest.importorskip("torch")
+    from zeroplan.bench.gpu_validate import measure_optimizer_time
+    from zeroplan.specs.hardware import load_profile
+
+    hw = load_profile("dgx-h100")
+    n = 1 << 12
+    rows = {r["check"]: r for r in measure_optimizer_time("cpu", hw, numel=n, iters=1)}
+    rate = hw.gpu.hbm_bandwidth_GBps * 1e9 * 0.8
+    assert rows["optimizer foreach time"]["predicted"] == pytest.approx(80 * n / rate * 1e3)
+    assert rows["optimizer fused time"]["predicted"] == pytest.approx(28 * n / rate * 1e3)
+    assert rows["optimizer foreach time"]["measured"] > 0 and rows["optimizer foreach time"]["unit"] == "ms"
+    assert rows["optimizer fused_adam time"]["figure"] == "skipped"
+    assert measure_optimizer_time("cpu", None, numel=n, iters=1)[0]["predicted"] is None
+
+
 def test_context_is_cuda_only():
     from zeroplan.bench.gpu_validate import measure_context
 

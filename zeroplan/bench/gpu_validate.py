@@ -10,6 +10,8 @@ otherwise; ``predicted`` None when the planner has no such figure):
 - ``measure_optimizer_temps``: peak bytes one optimizer step allocates beyond its states,
   per element, for torch AdamW foreach / fused and DeepSpeed FusedAdam (CUDA, when DeepSpeed
   and its op build are available); the planner charges 4 B/element (core/memory.py).
+- ``measure_optimizer_time``: the same steps timed over 64M fp32 elements, against the HBM passes
+  core/optimizer_step.py plans for them at the profile's HBM bandwidth × 0.8.
 - ``measure_layer_activations``: bytes autograd saves for one real transformers
   ``LlamaDecoderLayer`` (``torch.autograd.graph.saved_tensors_hooks``, storages counted once,
   parameters excluded) vs ``core.activations.layer_activation_bytes``.
@@ -47,7 +49,7 @@ from zeroplan.bench.validate_deepspeed import deepspeed_stages, measure_deepspee
 from zeroplan.bench.validate_rows import op_build_failure, row
 from zeroplan.bench.validate_rows import skip_row as _skip
 
-__all__ = ["row", "measure_context", "measure_optimizer_temps", "measure_layer_activations",
+__all__ = ["row", "measure_context", "measure_optimizer_temps", "measure_optimizer_time", "measure_layer_activations",
            "measure_engine_peak", "measure_deepspeed_virtual", "multi_gpu_checks", "run_validation",
            "OPTIMIZER_IMPLS", "CHECKS"]
 
@@ -145,6 +147,46 @@ def measure_optimizer_temps(device: str, numel: int = 1 << 22,
         out.append(row(f"optimizer {impl}", "step temporaries per element", pred, extra / numel,
                        unit="bytes/element",
                        note=f"peak beyond states over {numel:,} fp32 elements; planner: 4 B/element for foreach"))
+        del opt, p
+    return out
+
+
+_IMPL_OF = {"foreach": "torch-foreach", "fused": "torch-fused", "fused_adam": "fused-adam"}
+
+
+def measure_optimizer_time(device: str, hardware: Any = None, numel: int | None = None, iters: int = 5,
+                           impls: tuple[str, ...] = OPTIMIZER_IMPLS) -> list[dict[str, Any]]:
+    """One AdamW step over an fp32 tensor of ``numel``, timed, beside the plan's HBM passes for it
+    (core/optimizer_step.py ``inner_step_passes`` at ``hbm_bandwidth_GBps × HBM_EFFICIENCY``; predicted
+    only with ``hardware``). On CPU the rows exist so the code path is tested."""
+    import torch
+
+    from zeroplan.bench.gemm_check import timer
+    from zeroplan.core.compute import HBM_EFFICIENCY
+    from zeroplan.core.optimizer_step import inner_step_passes
+    from zeroplan.specs.training import TrainingSetup
+
+    numel = numel or (1 << 26 if device == "cuda" else 1 << 20)  # 64M: 1 GiB of states, far beyond any L2
+    timed = timer(device, torch)
+    out = []
+    for impl in impls:
+        if impl == "fused_adam" and device != "cuda":
+            out.append(_skip(f"optimizer {impl} time", "DeepSpeed FusedAdam is a CUDA kernel"))
+            continue
+        try:
+            p = torch.nn.Parameter(torch.zeros(numel, device=device))
+            p.grad = torch.full_like(p, 1e-3)
+            opt = _make_optimizer(impl, [p], torch)
+            t = timed(opt.step, iters)
+        except Exception as exc:  # noqa: BLE001 - an unavailable implementation is a skipped row
+            out.append(_skip(f"optimizer {impl} time", op_build_failure(exc)))
+            continue
+        per_el = sum(b for _, b in inner_step_passes(TrainingSetup(optimizer_impl=_IMPL_OF[impl])))
+        pred = None if hardware is None else per_el * numel / (hardware.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
+        out.append(row(f"optimizer {impl} time", f"AdamW step over {numel:,} fp32 elements",
+                       None if pred is None else pred * 1e3, t * 1e3, unit="ms",
+                       note=f"{per_el} B/element planned: {per_el * numel / t / 1e9:,.0f} GB/s achieved; planner: HBM "
+                            f"bandwidth × {HBM_EFFICIENCY} (core/optimizer_step.py)"))
         del opt, p
     return out
 
@@ -288,7 +330,8 @@ def run_validation(device: str, *, model: str = "llama-2-7b", gpus: int = 8, pre
 
     steps: dict[str, Callable[[], list[dict[str, Any]]]] = {
         "context": lambda: measure_context(device),
-        "optimizer": lambda: measure_optimizer_temps(device, predicted_per_element=per_el),
+        "optimizer": lambda: (measure_optimizer_temps(device, predicted_per_element=per_el)
+                              + measure_optimizer_time(device, hardware)),
         "activations": lambda: measure_layer_activations(device, spec, seq_len=seq_len, micro_batch=micro_batch,
                                                          precision=precision),
         "gemm": lambda: measure_layer_gemms(device, spec, seq_len=seq_len, micro_batch=micro_batch,

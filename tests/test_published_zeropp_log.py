@@ -12,8 +12,9 @@ network the logged forward and backward both lie between zeroplan's schedule (th
 no-overlap bracket, near the estimate: the runs hid most of the compute behind the gathers (with
 nothing hidden the backward would take 7.2 s, not 6.5 s). The ZeRO++ run on the same cluster lies
 inside the bracket too, but 16% above the estimate: its backward hid half of what the plan hides.
-Megatron's "optimizer" timer (140 ms, 1.4% of the step) has no counterpart in the plan: zeroplan has no
-GPU optimizer-step term (its compute rates come from end-to-end MFU tables, which include it).
+Megatron's "optimizer" timer (140 ms, 1.4% of the step) is the plan's GPU optimizer step (its HBM passes,
+core/optimizer_step.py) plus the step's collectives (the persistent parameters' gathers, the norm): 55 ms.
+The logged step is 2.5 times longer, and the plan does not say why (see the test).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def test_the_logs_imply_an_overlap_slowdown_and_what_it_does_to_the_network_rati
     whose communication outlasts their compute (both forwards, ZeRO-3's backward) each lost 0.27-0.31 of the
     compute they hid: about twice the planner's default (0.15, from A100/H100/MI250 measurements). A profile
     carrying that figure (what ``zeroplan bench overlap`` would write on that cluster) moves the 384-GPU
-    figures' ratio pairs (tests/test_published_zeropp.py) from a median difference of 0.114 to 0.105; only
+    figures' ratio pairs (tests/test_published_zeropp.py) from a median difference of 0.113 to 0.104; only
     nothing hidden at all (1.0) reproduces them (0.045). So the 384-GPU runs hid far less than these 64-GPU
     runs of the same software on the same kind of node did, and the slowdown measured here does not explain
     the difference."""
@@ -147,3 +148,24 @@ def test_the_logs_imply_an_overlap_slowdown_and_what_it_does_to_the_network_rati
     median = statistics.median(abs(p - m) for _, p, m in _pairs(s))
     print(f"ZeRO++ figures' ratio pairs with slowdown {s:.3f}: median |difference| {median:.3f}")
     assert 0.1 < median < 0.11
+
+
+def test_the_logged_optimizer_step_is_longer_than_its_hbm_passes():
+    """The plan's optimizer step (HBM passes at 80% of the V100's 900 GB/s over 288M fp16 elements per GPU, 74
+    bytes each) and the step's collectives are 40% of Megatron's "optimizer" timer. What the rest is, the log
+    does not say. Megatron's timer starts when this rank's own backward has finished (it synchronises the
+    device), so it includes the wait at the step's first collective for the slowest of the 64 ranks, and the
+    step's host work; the plan counts neither. The DeepSpeed of those logs (0.8.x, March 2023) did not
+    synchronise the host per tensor in this step (v0.8.2 stage3.py: one ``.item()`` for the norm, and an
+    overflow flag accumulated during the reduction), so that is not it."""
+    for run in ("baseline", "zeropp"):
+        r = _rows()[run]
+        t = _plan(r, 1)
+        planned = t.gpu_optimizer_time_s + t.time_by_phase_s["step"]
+        logged = float(r["optimizer_ms"]) / 1e3
+        print(f"{run}: optimizer logged {logged * 1e3:.1f} ms, planned {planned * 1e3:.1f} ms "
+              f"(HBM passes {t.gpu_optimizer_time_s * 1e3:.1f} ms of {t.gpu_optimizer_bytes / 1e9:.2f} GB, "
+              f"step collectives {t.time_by_phase_s['step'] * 1e3:.1f} ms)")
+        assert t.gpu_optimizer_bytes == 74 * 288_043_968  # fp16 ZeRO-3: overflow 4, norm 18, flatten 4, cast 6,
+        # unscale 8, Adam 28, copy back 6
+        assert 0.3 * logged < planned < logged

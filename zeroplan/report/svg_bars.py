@@ -152,8 +152,9 @@ def time_chart_svg(data: dict[str, Any], width: int = 960) -> str | None:
         t = p["time"]
         y = top + i * row_h + (row_h - bar_h) / 2
         svg.label(left - 10, y + bar_h / 2 + 5, p["label"], anchor="end", size=13, weight="bold")
-        values = t.get("parts") or [t["compute_s"], t["exposed_best_s"], 0.0, 0.0, 0.0,
-                                    max(0.0, t["exposed_worst_s"] - t["exposed_best_s"])]
+        parts = t.get("parts") or {"compute": t["compute_s"], "exposed_comm": t["exposed_best_s"],
+                                   "worst_extra": max(0.0, t["exposed_worst_s"] - t["exposed_best_s"])}
+        values = [float(parts.get(part.key, 0.0)) for part in TIME_PARTS]
         acc = 0.0
         for part, v in zip(TIME_PARTS, values):
             if v <= 0:

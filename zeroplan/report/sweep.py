@@ -10,9 +10,11 @@ what the HTML and terminal charts are drawn from. Its fields:
   ``optimizer_states``, ``model_states``, ``buffers``, ``activations``, ``overhead``, ``peak``: the
   Plan's, model states in steady state), ``memory_at_peak`` (per-GPU bytes by category live in
   the peak phase, plus ``overhead``; they add up to ``peak``: what the bars show), ``peak_phase``, ``peak_reason``, ``fits``, ``headroom_bytes``, ``comm_bytes_per_gpu_per_step``,
-  ``time`` (seconds: ``compute_s``, ``comm_s``, ``exposed_best_s``, ``exposed_worst_s``,
-  ``step_time_s``, ``step_time_best_s``, ``step_time_worst_s``; ``comm_share`` (0–1),
-  ``tokens_per_s``) or null without a hardware profile;
+  ``time`` (seconds: ``compute_s``, ``comm_s``, ``exposed_best_s``, ``exposed_worst_s``, ``exposed_s``,
+  ``pcie_s``, ``cpu_optimizer_s``, ``gpu_optimizer_s``, ``nvme_s``, ``step_time_s``, ``step_time_best_s``,
+  ``step_time_worst_s``; ``parts``: the time chart's segments by key (``compute``, ``exposed_comm``,
+  ``gpu_optimizer``, ``pcie``, ``cpu_optimizer``, ``nvme`` add up to the estimate, ``worst_extra`` to the
+  no-overlap bracket); ``comm_share`` (0–1), ``tokens_per_s``) or null without a hardware profile;
 - ``memory_sweep``: ``gpus_per_node``, ``gpus`` (1, 2, 4, … up to max_nodes × GPUs per node),
   ``series``: per stage 0–3 ``stage``, ``label``, ``offload_optimizer``, ``offload_param``,
   ``model_states``, ``peak`` (per-GPU bytes, one per entry of ``gpus``), ``fits``;
@@ -35,7 +37,7 @@ from pydantic import BaseModel, PrivateAttr
 from zeroplan._util import InputError
 from zeroplan.core.inputs import PlanInputs
 from zeroplan.core.plan import ClusterSummary, EstimateResult, ModelSummary, Plan, evaluate
-from zeroplan.report.charts import memory_at_peak, stage_label, time_parts
+from zeroplan.report.charts import TIME_PARTS, memory_at_peak, stage_label, time_parts
 
 __all__ = ["ReportData", "build_report_data", "recommendation_summary", "sweep_evaluations", "powers_of_two",
            "SWEEP_STAGES", "MAX_SWEEP_NODES"]
@@ -119,7 +121,7 @@ def _plan_summary(p: Plan) -> dict[str, Any]:
             "cpu_optimizer_s": t.cpu_optimizer_time_s,
             "gpu_optimizer_s": t.gpu_optimizer_time_s,
             "nvme_s": t.nvme_time_s,
-            "parts": time_parts(t),
+            "parts": {part.key: v for part, v in zip(TIME_PARTS, time_parts(t))},  # seconds by TIME_PARTS key
             "step_time_s": t.step_time_s,
             "step_time_best_s": t.step_time_best_s,
             "step_time_worst_s": t.step_time_worst_s,

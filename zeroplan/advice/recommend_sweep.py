@@ -382,7 +382,7 @@ class _Sweep:
         return CommLedger(flavour=self.comm_model, collectives=entries, bytes_per_gpu_per_step=total,
                           bytes_per_gpu_per_step_by_op=by_op, inter_node_bytes_per_gpu_per_step=0, pcie=pc,
                           cpu_optimizer_params_per_gpu=cpu_params, nvme_bytes_per_gpu_per_step=nvme_bytes,
-                          optimizer=optimizer_traffic(layout, self.inp.training, zero, flavour=self.comm_model))
+                          optimizer=optimizer_traffic(layout, self.inp.training, zero))
 
     def time(self, ledger: Any, mb: int, ckpt: str) -> Any:
         return estimate_time(ledger, self.training(mb, ckpt), self.hw, active_params=self.spec.active_params,

@@ -189,7 +189,7 @@ def build_ledger(
         pcie=_pcie(B, tl, training, zero),
         cpu_optimizer_params_per_gpu=cpu_params,
         nvme_bytes_per_gpu_per_step=nvme_bytes,
-        optimizer=optimizer_traffic(tl, training, zero, flavour=comm_model),
+        optimizer=optimizer_traffic(tl, training, zero),
         notes=notes,
     )
 

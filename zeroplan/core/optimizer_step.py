@@ -138,15 +138,16 @@ def _zero_passes(training: TrainingSetup, stage: int, g: int, b: int, one_piece:
 
 
 def optimizer_traffic(layout: Layout, training: TrainingSetup, zero: ZeroConfig | None, *,
-                      flavour: str = "deepspeed", rank: int | None = None) -> OptimizerTraffic:
+                      rank: int | None = None) -> OptimizerTraffic:
     """The passes of one optimizer step on one GPU over the layout of what trains (module docstring): on
-    ``rank``, or (None) on the rank with the most to do."""
+    ``rank``, or (None) on the rank with the most to do. What DeepSpeed runs, whatever accounting
+    (``--flavour``) the memory plan uses."""
     zero = zero_or_default(zero)
     stage = zero.stage
     offload = zero.optimizer_offload_device != "none" and stage >= 1
     if offload or training.optimizer_impl == "cpu-adam":
         return OptimizerTraffic()
-    sp = state_plan(training, stage, offload=False, flavour=flavour)
+    sp = state_plan(training, stage, offload=False)
     b = training.precision.param_bytes
     g = sp.grad_bytes
     part = layout.params if stage == 0 else layout.partition_12 if stage in (1, 2) else layout.partition_3

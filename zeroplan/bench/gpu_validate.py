@@ -110,6 +110,23 @@ def _make_optimizer(impl: str, params: list, torch: Any) -> Any:
     return FusedAdam(params, lr=1e-3, adam_w_mode=True)
 
 
+class _NotOnThisDevice(Exception):
+    pass
+
+
+def _optimizer_for(impl: str, device: str, numel: int, torch: Any) -> Any:
+    """AdamW of ``impl`` over one fp32 tensor of ``numel`` elements with its gradient set."""
+    if impl == "fused_adam" and device != "cuda":
+        raise _NotOnThisDevice("DeepSpeed FusedAdam is a CUDA kernel")
+    p = torch.nn.Parameter(torch.zeros(numel, device=device))
+    p.grad = torch.full_like(p, 1e-3)
+    return _make_optimizer(impl, [p], torch)
+
+
+def _unavailable(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, _NotOnThisDevice) else op_build_failure(exc)
+
+
 def measure_optimizer_temps(device: str, numel: int = 1 << 22,
                             impls: tuple[str, ...] = OPTIMIZER_IMPLS,
                             predicted_per_element: float | None = 4.0) -> list[dict[str, Any]]:
@@ -120,13 +137,8 @@ def measure_optimizer_temps(device: str, numel: int = 1 << 22,
 
     out = []
     for impl in impls:
-        if impl == "fused_adam" and device != "cuda":
-            out.append(_skip(f"optimizer {impl}", "DeepSpeed FusedAdam is a CUDA kernel"))
-            continue
         try:
-            p = torch.nn.Parameter(torch.zeros(numel, device=device))
-            p.grad = torch.full_like(p, 1e-3)
-            opt = _make_optimizer(impl, [p], torch)
+            opt = _optimizer_for(impl, device, numel, torch)
             opt.step()  # creates the states (exp_avg, exp_avg_sq, step)
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -141,13 +153,13 @@ def measure_optimizer_temps(device: str, numel: int = 1 << 22,
                     opt.step()
                 extra = tracker.phase_peaks().get("forward", {}).get("peak", 0)
         except Exception as exc:  # noqa: BLE001 - an unavailable implementation is a skipped row
-            out.append(_skip(f"optimizer {impl}", op_build_failure(exc)))
+            out.append(_skip(f"optimizer {impl}", _unavailable(exc)))
             continue
         pred = predicted_per_element if impl == "foreach" else (0.0 if predicted_per_element is not None else None)
         out.append(row(f"optimizer {impl}", "step temporaries per element", pred, extra / numel,
                        unit="bytes/element",
                        note=f"peak beyond states over {numel:,} fp32 elements; planner: 4 B/element for foreach"))
-        del opt, p
+        del opt
     return out
 
 
@@ -170,16 +182,11 @@ def measure_optimizer_time(device: str, hardware: Any = None, numel: int | None 
     timed = timer(device, torch)
     out = []
     for impl in impls:
-        if impl == "fused_adam" and device != "cuda":
-            out.append(_skip(f"optimizer {impl} time", "DeepSpeed FusedAdam is a CUDA kernel"))
-            continue
         try:
-            p = torch.nn.Parameter(torch.zeros(numel, device=device))
-            p.grad = torch.full_like(p, 1e-3)
-            opt = _make_optimizer(impl, [p], torch)
+            opt = _optimizer_for(impl, device, numel, torch)
             t = timed(opt.step, iters)
         except Exception as exc:  # noqa: BLE001 - an unavailable implementation is a skipped row
-            out.append(_skip(f"optimizer {impl} time", op_build_failure(exc)))
+            out.append(_skip(f"optimizer {impl} time", _unavailable(exc)))
             continue
         per_el = sum(b for _, b in inner_step_passes(TrainingSetup(optimizer_impl=_IMPL_OF[impl])))
         pred = None if hardware is None else per_el * numel / (hardware.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
@@ -187,7 +194,7 @@ def measure_optimizer_time(device: str, hardware: Any = None, numel: int | None 
                        None if pred is None else pred * 1e3, t * 1e3, unit="ms",
                        note=f"{per_el} B/element planned: {per_el * numel / t / 1e9:,.0f} GB/s achieved; planner: HBM "
                             f"bandwidth × {HBM_EFFICIENCY} (core/optimizer_step.py)"))
-        del opt, p
+        del opt
     return out
 
 

@@ -138,6 +138,12 @@ def test_offloaded_optimizers_leave_the_gpu_nothing_to_step():
     assert optimizer_traffic(lay, tr, ZeroConfig(stage=2, offload_optimizer={"device": "cpu"})).passes == []
     assert optimizer_traffic(lay, tr, ZeroConfig(stage=2)).elements == lay.partition_12
     assert optimizer_traffic(lay, tr, ZeroConfig(stage=0)).elements == lay.params
+    # offload ignored at stage 0 (DeepSpeed steps on the GPU there), and a cpu-adam impl without offload is not
+    # a reason to drop the step from the time
+    assert optimizer_traffic(lay, tr, ZeroConfig(stage=0, offload_optimizer={"device": "cpu"})).passes
+    cpu_impl = TrainingSetup(precision=get_precision("bf16"), optimizer_impl="cpu-adam")
+    assert optimizer_traffic(lay, cpu_impl, ZeroConfig(stage=2)).total_bytes == \
+        optimizer_traffic(lay, tr, ZeroConfig(stage=2)).total_bytes
 
 
 def test_the_step_time_charges_the_traffic_at_the_streaming_rate():

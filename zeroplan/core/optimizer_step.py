@@ -144,9 +144,10 @@ def optimizer_traffic(layout: Layout, training: TrainingSetup, zero: ZeroConfig 
     (``--flavour``) the memory plan uses."""
     zero = zero_or_default(zero)
     stage = zero.stage
-    offload = zero.optimizer_offload_device != "none" and stage >= 1
-    if offload or training.optimizer_impl == "cpu-adam":
-        return OptimizerTraffic()
+    if zero.optimizer_offload_device != "none" and stage >= 1:
+        return OptimizerTraffic()  # the host steps it (core/timing.py cpu_adam_rate)
+    # without offload the step runs on the GPU whatever --optimizer-impl says (DeepSpeedCPUAdam would assert
+    # that its parameters are on the CPU: ops/adam/cpu_adam.py): a cpu-adam impl here is counted as one pass
     sp = state_plan(training, stage, offload=False)
     b = training.precision.param_bytes
     g = sp.grad_bytes

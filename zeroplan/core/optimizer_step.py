@@ -58,6 +58,7 @@ from zeroplan.specs.training import TrainingSetup
 __all__ = ["OptimizerPass", "OptimizerTraffic", "inner_step_passes", "optimizer_traffic"]
 
 _ADAM = ("adam", "adamw")
+_Passes = list[tuple[str, int]]  # (what, bytes per element)
 # torch.optim.adam _multi_tensor_adam / _single_tensor_adam, one fp32 element (4 B) per tensor touched
 _TORCH_ADAM_PASSES: tuple[tuple[str, int], ...] = (
     ("lerp_ first moment", 12), ("mul_ second moment", 8), ("addcmul_ second moment", 12),
@@ -137,6 +138,23 @@ def _zero_passes(training: TrainingSetup, stage: int, g: int, b: int, one_piece:
     return out + [("unscale and clip", 8)]
 
 
+def _wrapper_passes(wrapper: str, stage: int, training: TrainingSetup, g: int,
+                    one_piece: bool) -> tuple[_Passes, _Passes, _Passes]:
+    """DeepSpeed's wrapper around the optimizer (module docstring): (partition passes before the optimizer,
+    partition passes after it, whole-model passes)."""
+    b = training.precision.param_bytes
+    copy_back = [("copy to the model dtype", 4 + b)]
+    if wrapper == "basic":
+        return [], [], []
+    if wrapper == "bf16_optimizer":
+        return [], copy_back, [("norm (whole model)", 4), ("clip (whole model)", 8),
+                               ("zero the fp32 gradients twice", 8)]
+    if stage == 0:
+        norm = [("flatten", 8), ("norm", 4)] if wrapper == "fp16_optimizer" else [("norm of an fp32 copy", b + 8)]
+        return [("overflow check", 2 * b), ("cast to fp32", b + 4), *norm, ("unscale and clip", 8)], copy_back, []
+    return _zero_passes(training, stage, g, b, one_piece), copy_back, []
+
+
 def optimizer_traffic(layout: Layout, training: TrainingSetup, zero: ZeroConfig | None, *,
                       rank: int | None = None) -> OptimizerTraffic:
     """The passes of one optimizer step on one GPU over the layout of what trains (module docstring): on
@@ -149,25 +167,11 @@ def optimizer_traffic(layout: Layout, training: TrainingSetup, zero: ZeroConfig 
     # without offload the step runs on the GPU whatever --optimizer-impl says (DeepSpeedCPUAdam would assert
     # that its parameters are on the CPU: ops/adam/cpu_adam.py): a cpu-adam impl here is counted as one pass
     sp = state_plan(training, stage, offload=False)
-    b = training.precision.param_bytes
-    g = sp.grad_bytes
     part = layout.params if stage == 0 else layout.partition_12 if stage in (1, 2) else layout.partition_3
     model = layout.flat_padded if stage in (1, 2) else layout.params
-    inner = inner_step_passes(training)
-    copy_back = [("copy to the model dtype", 4 + b)]
-    whole: list[tuple[str, int]] = []
-    if sp.wrapper == "basic":
-        before: list[tuple[str, int]] = []
-        copy_back = []
-    elif sp.wrapper == "bf16_optimizer":
-        before = []
-        whole = [("norm (whole model)", 4), ("clip (whole model)", 8), ("zero the fp32 gradients twice", 8)]
-    elif stage == 0:
-        before = [("overflow check", 2 * b), ("cast to fp32", b + 4)]
-        before += [("flatten", 8), ("norm", 4)] if sp.wrapper == "fp16_optimizer" else [("norm of an fp32 copy", b + 8)]
-        before.append(("unscale and clip", 8))
-    else:
-        before = _zero_passes(training, stage, g, b, stage in (1, 2) and _partition_is_one_piece_12(layout, rank))
-    passes = [OptimizerPass(what=w, bytes_per_element=n, elements=part) for w, n in before + inner + copy_back]
+    one_piece = stage in (1, 2) and _partition_is_one_piece_12(layout, rank)
+    before, after, whole = _wrapper_passes(sp.wrapper, stage, training, sp.grad_bytes, one_piece)
+    passes = [OptimizerPass(what=w, bytes_per_element=n, elements=part)
+              for w, n in before + inner_step_passes(training) + after]
     passes += [OptimizerPass(what=w, bytes_per_element=n, elements=model) for w, n in whole]
     return OptimizerTraffic(wrapper=sp.wrapper, elements=part, passes=passes)

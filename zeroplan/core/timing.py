@@ -154,17 +154,18 @@ def _nvme_time_s(ledger: CommLedger, hw: Any, ranks_per_node: int) -> float:
     return nvme_bytes / nvme_bw if nvme_bw > 0 else 0.0
 
 
-def _gpu_optimizer_time_s(ledger: CommLedger, hw: Any, assumptions: list[str]) -> float:
-    """The optimizer step's passes on the GPU: its HBM bytes at the streaming rate (core/optimizer_step.py)."""
+def _gpu_optimizer_time_s(ledger: CommLedger, hw: Any, assumptions: list[str]) -> tuple[float, int]:
+    """(seconds, HBM bytes) of the optimizer step's passes on the GPU at the streaming rate
+    (core/optimizer_step.py)."""
     traffic = ledger.optimizer
-    if not traffic.passes:
-        return 0.0
-    rate_Bps = hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY
-    t = traffic.total_bytes / rate_Bps
-    assumptions.append(f"GPU optimizer step {t * 1e3:,.1f} ms: {traffic.total_bytes / 1e9:,.2f} GB of HBM traffic at "
+    total_bytes = traffic.total_bytes
+    if not total_bytes:
+        return 0.0, 0
+    t = total_bytes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
+    assumptions.append(f"GPU optimizer step {t * 1e3:,.1f} ms: {total_bytes / 1e9:,.2f} GB of HBM traffic at "
                        f"{HBM_EFFICIENCY:.0%} of {hw.gpu.hbm_bandwidth_GBps:,.0f} GB/s, not overlapped; "
                        f"{traffic.describe()}")
-    return t
+    return t, total_bytes
 
 
 def estimate_time(
@@ -227,7 +228,7 @@ def estimate_time(
         cpu_opt = ledger.cpu_optimizer_params_per_gpu / rate
         assumptions.append(rate_src)
     nvme = _nvme_time_s(ledger, hw, min(gpus_per_node, n_gpus))
-    gpu_opt = _gpu_optimizer_time_s(ledger, hw, assumptions)
+    gpu_opt, gpu_opt_bytes = _gpu_optimizer_time_s(ledger, hw, assumptions)
     if ov.hidden_s:
         assumptions.append(f"overlap: hidden communication slows compute by {slowdown:.0%} of its time "
                            f"({slowdown_src})")
@@ -243,7 +244,7 @@ def estimate_time(
         pcie_time_s=pcie,
         cpu_optimizer_time_s=cpu_opt,
         gpu_optimizer_time_s=gpu_opt,
-        gpu_optimizer_bytes=ledger.optimizer.total_bytes,
+        gpu_optimizer_bytes=gpu_opt_bytes,
         nvme_time_s=nvme,
         offload_time_s=cpu_opt + nvme,
         overlap_slowdown_s=ov.slowdown_s,

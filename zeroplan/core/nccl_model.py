@@ -144,7 +144,7 @@ def collective_choice(op: str, nbytes: int, n: int, nodes: int, gpn_in_group: in
     else:
         algos = intra_algos & {"ring", "tree", "nvls"}
     gen = gpu_generation(hw.gpu.name)
-    best: AlgoChoice | None = None
+    best: tuple[float, float, str, str] | None = None  # (time, latency, algorithm, protocol); one model at the end
     log_size = int(math.log2(max(1, nbytes >> 6))) if nbytes >= 64 else 0
     for algo in sorted(algos):
         if algo != "ring" and op != "all_reduce" and not (algo == "nvls" and op in ("all_gather", "reduce_scatter")):
@@ -191,8 +191,9 @@ def collective_choice(op: str, nbytes: int, n: int, nodes: int, gpn_in_group: in
                 nic_Bps = inter.bandwidth_GBps_per_gpu * 1e9 * inter.efficiency * gpn_all / nics
                 t_bw += min(t_bw, NET_PIPELINE_BYTES_PER_NIC / nic_Bps)
             t = lat * 1e-6 + t_bw
-            if best is None or t < best.time_s:
-                best = AlgoChoice(algorithm=algo, protocol=proto, time_s=t, latency_s=lat * 1e-6,
-                                  busbw_GBps=nbytes * factor / t / 1e9 if t > 0 else 0.0)
+            if best is None or t < best[0]:
+                best = (t, lat * 1e-6, algo, proto)
     assert best is not None
-    return best
+    t, lat_s, algo, proto = best
+    return AlgoChoice(algorithm=algo, protocol=proto, time_s=t, latency_s=lat_s,
+                      busbw_GBps=nbytes * factor / t / 1e9 if t > 0 else 0.0)

@@ -30,6 +30,7 @@ all-to-all (intra-node then inter-node) when there is more than one node.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -39,7 +40,7 @@ from zeroplan.core.layout import Layout, ceil_div, greedy_buckets_after
 from zeroplan.core.memory_states import state_plan
 from zeroplan.core.optimizer_step import OptimizerTraffic, optimizer_traffic
 from zeroplan.core.stage3_fetch import stage3_gathers
-from zeroplan.core.stage3_live import replay_inputs
+from zeroplan.core.stage3_live import ReplayInputs, replay_inputs
 from zeroplan.specs.collectives import sent_bytes
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.training import TrainingSetup
@@ -266,13 +267,8 @@ def _stage3_gathers(B: _Builder, layout: Layout, tl: Layout, training: TrainingS
     qwz = zero.zero_quantized_weights
     hpz = zero.zero_hpz_partition_size or 1  # 0 and 1 both mean no secondary partition
     if ds:
-        numel, padded, persistent, units, frozen = replay_inputs(layout, tl, no_backward)
-        gathers = stage3_gathers(numel, padded, persistent, units,
-                                 max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
-                                 max_reuse=zero.max_reuse_distance, grad_accum=gas,
-                                 recompute_layers=training.checkpointing == "full", frozen=frozen)
-        calls = [(g.phase, g.elements, g.params, g.recompute, count) for g, count in gathers]
-        if len(calls) == 1 and calls[0][0] == "forward" and calls[0][2] == len(layout.tensors) - sum(persistent):
+        calls, whole = _replayed_calls(layout, tl, zero, gas, training.checkpointing == "full", no_backward)
+        if whole:
             notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
     else:  # the paper: every parameter gathered once in forward and once in backward (a tied one too)
         mods = [m for m in layout.modules if m.gathered > 0]
@@ -293,6 +289,35 @@ def _stage3_gathers(B: _Builder, layout: Layout, tl: Layout, training: TrainingS
             what = "parameters" if nparams > 1 else "module parameters"
             what = what if phase == "forward" else f"{what} re-gathered" + (" (layer recomputed)" if recompute else "")
             B.add("all_gather", phase, what, size * b_p, count, pdt, True)
+
+
+def _replayed_calls(layout: Layout, tl: Layout, zero: ZeroConfig, gas: int, recompute: bool,
+                    no_backward: frozenset[str]) -> tuple[tuple[tuple[str, int, int, bool, int], ...], bool]:
+    """The replayed gathers of one optimizer step (core/stage3_fetch.py) as (phase, elements, parameters,
+    recompute, calls), identical calls merged in first-call order (the ledger merges them the same way),
+    and whether the whole model came in one forward gather. Kept on the layout: ``recommend`` plans one
+    layout at many micro-batches and bucket sizes, and the replay depends on none of them."""
+    key = (no_backward, tl.tensor_names, int(zero.max_live_parameters),
+           int(zero.prefetch_bucket_size), int(zero.max_reuse_distance), int(gas), bool(recompute))
+    memo = layout.__dict__.setdefault("_stage3_calls", {})  # a layout is never mutated
+    if key not in memo:
+        memo[key] = _merged_calls(replay_inputs(layout, tl, no_backward), *key[2:])
+    return memo[key]
+
+
+@lru_cache(maxsize=128)
+def _merged_calls(inputs: ReplayInputs, max_live: int, prefetch_bucket: int, max_reuse: int, gas: int,
+                  recompute: bool) -> tuple[tuple[tuple[str, int, int, bool, int], ...], bool]:
+    numel, padded, persistent, units, frozen = inputs
+    gathers = stage3_gathers(numel, padded, persistent, units, max_live=max_live, prefetch_bucket=prefetch_bucket,
+                             max_reuse=max_reuse, grad_accum=gas, recompute_layers=recompute, frozen=frozen)
+    merged: dict[tuple[str, int, int, bool], int] = {}
+    for g, count in gathers:
+        k = (g.phase, g.elements, min(g.params, 2), g.recompute)  # the ledger tells one parameter from several
+        merged[k] = merged.get(k, 0) + count
+    whole = (len(gathers) == 1 and gathers[0][0].phase == "forward"
+             and gathers[0][0].params == len(numel) - sum(persistent))
+    return tuple((ph, el, npar, rc, c) for (ph, el, npar, rc), c in merged.items()), whole
 
 
 def _stage3_reduce_and_step(B: _Builder, layout: Layout, tl: Layout, training: TrainingSetup, zero: ZeroConfig,

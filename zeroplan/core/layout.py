@@ -68,6 +68,11 @@ class Layout:
             self._memo["units"] = _fetch_units(self._spec, self.tensors) if self._spec is not None else []
         return self._memo["units"]
 
+    @cached_property
+    def tensor_names(self) -> tuple[str, ...]:
+        """The tensors' names in order: what the stage-3 replays' memo keys tell trainable layouts apart by."""
+        return tuple(t.name for t in self.tensors)
+
     # stages 1-2
     @property
     def flat_padded(self) -> int:

@@ -19,6 +19,7 @@ gathered bytes at the lm_head's backward, which is what this replay gives, to th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from zeroplan.core.stage3_fetch import FetchUnit, _Coordinator, micro_step_events
@@ -26,7 +27,7 @@ from zeroplan.core.stage3_fetch import FetchUnit, _Coordinator, micro_step_event
 if TYPE_CHECKING:  # layout.py imports stage3_fetch; a Layout is only read here
     from zeroplan.core.layout import Layout
 
-__all__ = ["BackwardGathered", "backward_gathered", "replay_inputs"]
+__all__ = ["BackwardGathered", "ReplayInputs", "backward_gathered", "replay_inputs"]
 
 
 @dataclass(frozen=True)
@@ -51,20 +52,36 @@ class BackwardGathered:
     forward_head: int = 0
 
 
-def replay_inputs(layout: Layout, tl: Layout, no_backward: frozenset[str]) -> tuple[
-        tuple[int, ...], tuple[int, ...], tuple[bool, ...], tuple[FetchUnit, ...], tuple[bool, ...]]:
+class ReplayInputs(tuple):
+    """``replay_inputs``' five tuples, equal by content, with the hash computed once: the replays'
+    caches key on it, and every plan builds its own ``Layout`` of the same model (``evaluate``,
+    ``check``, ``recommend``'s alternatives), so a cache kept on the layout object alone misses."""
+
+    _hash: int
+
+    def __new__(cls, items: tuple) -> "ReplayInputs":
+        obj = super().__new__(cls, items)
+        obj._hash = hash(items)
+        return obj
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def replay_inputs(layout: Layout, tl: Layout, no_backward: frozenset[str]) -> ReplayInputs:
     """What the coordinator replay reads of a layout: per tensor its numel, padded numel, persistence
     and whether it is frozen (not in ``tl``, the trainable layout), and the fetch units with their
     backward flag. Kept on the layout (``recommend``'s search plans one layout at many points)."""
-    key = (no_backward, tuple(t.name for t in tl.tensors))
+    key = (no_backward, tl.tensor_names)
     cache = layout.__dict__.setdefault("_replay_inputs", {})
     if key not in cache:
         pset = {t.name for t in layout.persistent_tensors}
         trained = set(key[1])
-        cache[key] = (tuple(t.numel for t in layout.tensors), tuple(layout.padded(t.numel) for t in layout.tensors),
-                      tuple(t.name in pset for t in layout.tensors),
-                      tuple(replace(u, backward=u.name not in no_backward) for u in layout.units),
-                      tuple(t.name not in trained for t in layout.tensors))
+        cache[key] = ReplayInputs((
+            tuple(t.numel for t in layout.tensors), tuple(layout.padded(t.numel) for t in layout.tensors),
+            tuple(t.name in pset for t in layout.tensors),
+            tuple(replace(u, backward=u.name not in no_backward) for u in layout.units),
+            tuple(t.name not in trained for t in layout.tensors)))
     return cache[key]
 
 
@@ -72,18 +89,18 @@ def backward_gathered(layout: Layout, tl: Layout, no_backward: frozenset[str], *
                       max_reuse: int, grad_accum: int, recompute_layers: bool) -> BackwardGathered:
     """The gathered elements live through the backward of a steady micro-step (after a warm-up step,
     as ``stage3_gathers``; with gradient accumulation the larger of the first two micro-steps)."""
-    key = ("backward_gathered", no_backward, tuple(t.name for t in tl.tensors), int(max_live), int(prefetch_bucket),
+    key = ("backward_gathered", no_backward, tl.tensor_names, int(max_live), int(prefetch_bucket),
            int(max_reuse), min(int(grad_accum), 2), bool(recompute_layers))
     memo = layout.__dict__.setdefault("_backward_gathered", {})  # a layout is never mutated
     if key not in memo:
-        numel, padded, persistent, units, frozen = replay_inputs(layout, tl, no_backward)
-        memo[key] = _gathered(numel, padded, persistent, units, frozen, *key[3:])
+        memo[key] = _gathered(replay_inputs(layout, tl, no_backward), *key[3:])
     return memo[key]
 
 
-def _gathered(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple[bool, ...],
-              units: tuple[FetchUnit, ...], frozen: tuple[bool, ...], max_live: int, prefetch_bucket: int,
-              max_reuse: int, micro_steps: int, recompute_layers: bool) -> BackwardGathered:
+@lru_cache(maxsize=128)
+def _gathered(inputs: ReplayInputs, max_live: int, prefetch_bucket: int, max_reuse: int, micro_steps: int,
+              recompute_layers: bool) -> BackwardGathered:
+    numel, padded, persistent, units, frozen = inputs
     events = micro_step_events(list(units), recompute_layers)
     c = _Coordinator(list(numel), list(padded), list(persistent), events, list(units), max_live, prefetch_bucket,
                      max_reuse, frozen=list(frozen))

@@ -127,21 +127,21 @@ def _phases(act: ActivationBreakdown, pb: Any, moments: list[BackwardMoment], gp
     gradients autograd holds then (counted as gradients). Stage 3's forward, where it gathers, is its largest
     moment too (``forward_moments``), whose gathered bytes become the forward's."""
     if fwd_moments:
-        fat = [_phase(gpu_params, grads_fwd, gpu_opt, m.buffers, activation_at(act, m.activations, m.layers_done))
+        fat = [(gpu_params, grads_fwd, gpu_opt, m.buffers, activation_at(act, m.activations, m.layers_done))
                for m in fwd_moments]
-        j = max(range(len(fat)), key=lambda k: fat[k].peak)
+        j = max(range(len(fat)), key=lambda k: sum(fat[k]))  # the first of the largest
         _set_forward(pb, fwd_moments[j])
-        fwd = fat[j]
+        fwd = _phase(*fat[j])
     else:
         fwd = _phase(gpu_params, grads_fwd, gpu_opt, pb.forward, act.forward_peak)
-    at = [_phase(gpu_params, max(grads_fwd, m.gradients) + m.autograd, gpu_opt, m.buffers,
-                 activation_at(act, m.activations, m.layers_done)) for m in moments]
-    i = max(range(len(at)), key=lambda k: at[k].peak)
+    at = [(gpu_params, max(grads_fwd, m.gradients) + m.autograd, gpu_opt, m.buffers,
+           activation_at(act, m.activations, m.layers_done)) for m in moments]
+    i = max(range(len(at)), key=lambda k: sum(at[k]))
     pb.held["backward"] = moments[i].held_buffers
     pb.churned["backward"] = moments[i].autograd
     set_backward_side(pb.side, moments, i)
     stp = _phase(gpu_params, step_grads, gpu_opt, pb.step, 0)
-    return {"forward": fwd, "backward": at[i], "step": stp}
+    return {"forward": fwd, "backward": _phase(*at[i]), "step": stp}
 
 
 def _gathered(layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSetup,

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -124,15 +124,17 @@ class _Coordinator:
         self.step_id = 0
         self.n_available = 0
 
-    def _gather(self, ps: list[int], phase: str, unit: str, prefetch: bool, recompute: bool) -> None:
-        """``__all_gather_params``: one coalesced call for the NOT_AVAILABLE ones."""
-        todo = [p for p in ps if p not in self.available]
+    def _gather(self, ps: Sequence[int], phase: str, u: int, prefetch: bool, recompute: bool) -> None:
+        """``__all_gather_params``: one coalesced call for the NOT_AVAILABLE ones (issued by unit u)."""
+        available = self.available
+        todo = [p for p in ps if p not in available]
         if not todo:
             return
-        self.n_available += sum(self.numel[p] for p in todo)
-        self.available.update(todo)
-        self.live += sum(self.padded[p] for p in todo if not self.persistent[p])
-        elements = sum(self.padded[p] for p in todo)
+        numel, padded, persistent = self.numel, self.padded, self.persistent
+        self.n_available += sum(numel[p] for p in todo)
+        available.update(todo)
+        elements = sum(padded[p] for p in todo)
+        self.live += sum(padded[p] for p in todo if not persistent[p])
         if prefetch:
             self.inflight.update(todo)
             if len(todo) > 1:
@@ -141,19 +143,24 @@ class _Coordinator:
             # partition_parameters.py AllGatherCoalescedHandle.wait: each parameter is copied out of
             # the flat buffer (torch.cat of its rank slices) while the flat buffer still lives
             self.transient = max(self.transient, elements)
-        self.gathers.append(Gather(phase, elements, len(todo), unit, prefetch, recompute))
+        name = "(model)" if u < 0 else self.units[u].name
+        self.gathers.append(Gather(phase, elements, len(todo), name, prefetch, recompute))
 
     def fetch(self, u: int, phase: str, recompute: bool = False) -> None:
         """``fetch_sub_module`` / ``_fetch_sub_module_impl`` with a complete trace."""
         ps = self.params_of(u)
-        name = "(model)" if u < 0 else self.units[u].name
         self.transient = 0
-        self._gather(list(ps), phase, name, False, recompute)
+        self._gather(ps, phase, u, False, recompute)
+        active, inflight = self.active, self.inflight
         for p in ps:
-            self.active.setdefault(p, set()).add(u)
-            if p in self.inflight:  # waited on: a coalesced prefetch is copied out of its flat buffer
+            users = active.get(p)
+            if users is None:
+                active[p] = {u}
+            else:
+                users.add(u)
+            if p in inflight:  # waited on: a coalesced prefetch is copied out of its flat buffer
                 self.transient = max(self.transient, self.bundle.pop(p, 0))
-            self.inflight.discard(p)
+                inflight.discard(p)
         if phase == "backward" and not recompute:  # fetch_sub_module(forward=False)
             self.backward_units.setdefault(u)
         elif recompute and self.backward_units:
@@ -165,24 +172,26 @@ class _Coordinator:
                     self.attributed.setdefault(owner, set()).add(p)
                     self.active.setdefault(p, set()).add(owner)
         sid = self.step_id
-        not_fetched = {p for p in ps if self.recent.get(p, _NEVER) < sid}
+        recent, queue = self.recent, self.queue
+        not_fetched = len({p for p in ps if recent.get(p, _NEVER) < sid})
         popped = 0
-        while self.queue and popped < len(not_fetched):
-            p, at = self.queue.popleft()
-            self.recent[p] = at
+        while queue and popped < not_fetched:
+            p, at = queue.popleft()
+            recent[p] = at
             popped += 1
         if self.prefetch_bucket > 0:
             room = min(self.max_live - self.n_available, self.prefetch_bucket)
             chosen: list[int] = []
             numel = 0
-            while self.queue and numel < room:
-                p, at = self.queue.popleft()
-                if p not in self.available and p not in chosen:
+            available = self.available
+            while queue and numel < room:
+                p, at = queue.popleft()
+                if p not in available and p not in chosen:
                     chosen.append(p)
                     numel += self.numel[p]
-                self.recent[p] = max(self.recent.get(p, _NEVER), at)
+                recent[p] = max(recent.get(p, _NEVER), at)
             if numel > 0:
-                self._gather(chosen, phase, name, True, recompute)
+                self._gather(chosen, phase, u, True, recompute)
         self.step_id += 1
 
     def _to_release(self, u: int) -> frozenset[int]:
@@ -219,14 +228,18 @@ class _Coordinator:
         frozen parameters attributed to it by a recomputation, whatever the reuse distance."""
         self.transient = 0  # only a fetch waits on a gather
         rel = self._to_release(u)
-        ps = set(self.params_of(u))
+        ps: Iterable[int] = self.params_of(u)
         if backward:
             self.backward_units.pop(u, None)
-            extra = self.attributed.pop(u, set())
-            rel = rel | {p for p in extra if not self.persistent[p]}
-            ps |= extra
-        for p in sorted(ps):
-            self.active.get(p, set()).discard(u)
+            extra = self.attributed.pop(u, None)
+            if extra:
+                rel = rel | {p for p in extra if not self.persistent[p]}
+                ps = set(ps) | extra
+        active = self.active
+        for p in ps:  # each parameter's release depends on its own state only: any order
+            users = active.get(p)
+            if users is not None:
+                users.discard(u)
             if p in rel:
                 self._release_param(p)
 

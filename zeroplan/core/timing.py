@@ -29,7 +29,7 @@ from zeroplan._util import InputError
 from zeroplan.core.comm import CommLedger, LedgerEntry
 from zeroplan.core.compute import HBM_EFFICIENCY, ComputeEstimate, estimate_compute, peak_flops
 from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
-from zeroplan.core.nccl_model import collective_choice
+from zeroplan.core.nccl_model import AlgoChoice, collective_choice
 from zeroplan.core.overlap import OVERLAP_SLOWDOWN, PhaseComm, overlap_slowdown, schedule_overlap
 from zeroplan.specs.collectives import busbw_factor
 from zeroplan.specs.training import TrainingSetup
@@ -67,12 +67,18 @@ def _group_shape(e: LedgerEntry, n_gpus: int, gpus_per_node: int) -> tuple[int, 
     return n, nodes, min(n, gpus_per_node)
 
 
-def collective_time_s(e: LedgerEntry, hw: Any, n_gpus: int, gpus_per_node: int) -> float:
-    """Seconds for ONE call of a ledger entry on profile ``hw`` (a HardwareProfile)."""
+def _entry_choice(e: LedgerEntry, hw: Any, n_gpus: int, gpus_per_node: int) -> AlgoChoice | None:
+    """NCCL's algorithm × protocol for ONE call of a ledger entry (None for a group of one rank)."""
     n, nodes, per = _group_shape(e, n_gpus, gpus_per_node)
     if n <= 1:
-        return 0.0
-    return collective_choice(e.op, e.buffer_bytes, n, nodes, per, hw, all_gpus_per_node=gpus_per_node).time_s
+        return None
+    return collective_choice(e.op, e.buffer_bytes, n, nodes, per, hw, all_gpus_per_node=gpus_per_node)
+
+
+def collective_time_s(e: LedgerEntry, hw: Any, n_gpus: int, gpus_per_node: int) -> float:
+    """Seconds for ONE call of a ledger entry on profile ``hw`` (a HardwareProfile)."""
+    ch = _entry_choice(e, hw, n_gpus, gpus_per_node)
+    return 0.0 if ch is None else ch.time_s
 
 
 def cpu_adam_rate(hw: Any, gpus_per_node: int) -> tuple[float, str]:
@@ -192,7 +198,8 @@ def estimate_time(
     first_gather = {"forward": None, "backward": None}
     last_bucket = 0.0
     for e in ledger.collectives:
-        one = collective_time_s(e, hw, n_gpus, gpus_per_node)
+        ch = _entry_choice(e, hw, n_gpus, gpus_per_node)
+        one = 0.0 if ch is None else ch.time_s
         t = e.count * one
         comm += t
         by_phase[e.phase] += t
@@ -205,9 +212,7 @@ def estimate_time(
                 last_bucket = one  # the ledger lists buckets in issue order
         else:
             pc.serial_s += t
-        n, nodes, per = _group_shape(e, n_gpus, gpus_per_node)
-        if n > 1 and (e.op not in algos or e.buffer_bytes > algos[e.op][0]):
-            ch = collective_choice(e.op, e.buffer_bytes, n, nodes, per, hw, all_gpus_per_node=gpus_per_node)
+        if ch is not None and (e.op not in algos or e.buffer_bytes > algos[e.op][0]):
             algos[e.op] = (e.buffer_bytes, f"{ch.algorithm}/{ch.protocol}")
     per_micro = 1 / max(1, gas)
     for ph in ("forward", "backward"):

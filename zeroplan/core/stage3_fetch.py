@@ -342,37 +342,51 @@ def stage3_gathers(numel: list[int], padded: list[int], persistent: list[bool], 
     runs first so that ``__params_to_release``'s cache holds what DeepSpeed's first complete-trace
     micro-step put in it (the measured steps come after two warm-up steps). A micro-step that
     starts from the state the previous one started from, and adds nothing to the cache, repeats it
-    exactly: the remaining micro-steps are counted, not replayed.
+    exactly: the remaining micro-steps are counted, not replayed. So every accumulation beyond the
+    micro-step where both steps repeat gives the same calls but the last one's count: those are
+    read off one replay of ``_STEADY_MICRO_STEPS`` micro-steps (``recommend`` plans many).
     """
-    return list(_replayed(tuple(numel), tuple(padded), tuple(persistent), tuple(units), max_live, prefetch_bucket,
-                          max_reuse, grad_accum, recompute_layers, tuple(frozen or ())))
+    args = (tuple(numel), tuple(padded), tuple(persistent), tuple(units), max_live, prefetch_bucket, max_reuse)
+    tail = (recompute_layers, tuple(frozen or ()))
+    steps, warm_repeat, repeat_at = _replayed(*args, _STEADY_MICRO_STEPS, *tail)
+    if warm_repeat is None or repeat_at is None or grad_accum <= max(warm_repeat, repeat_at):
+        steps, warm_repeat, repeat_at = _replayed(*args, grad_accum, *tail)
+    out = [(g, 1) for step in steps[:repeat_at] for g in step]
+    if repeat_at is not None:  # that micro-step and every later one
+        out += [(g, grad_accum - repeat_at) for g in steps[repeat_at]]
+    return out
+
+
+_STEADY_MICRO_STEPS = 16
 
 
 @lru_cache(maxsize=64)
 def _replayed(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple[bool, ...],
               units: tuple[FetchUnit, ...], max_live: int, prefetch_bucket: int, max_reuse: int, grad_accum: int,
-              recompute_layers: bool, frozen: tuple[bool, ...]) -> tuple[tuple[Gather, int], ...]:
-    """``stage3_gathers`` for hashable inputs, kept per process: ``recommend``'s search plans the same
-    model and stage-3 knobs at many micro-batches and bucket sizes, and the replay depends on none of
-    them (a replay of a 405B model takes about 0.1 s)."""
+              recompute_layers: bool, frozen: tuple[bool, ...]
+              ) -> tuple[tuple[tuple[Gather, ...], ...], int | None, int | None]:
+    """A warm-up and a measured step of ``grad_accum`` micro-steps for hashable inputs, kept per process:
+    the measured step's gathers per micro-step up to the first that repeats its predecessor, and the
+    index of that micro-step in the warm-up and in the measured step (None: none repeated). The replay
+    depends on no micro-batch or bucket size (a replay of a 405B model takes about 0.1 s)."""
     events = micro_step_events(list(units), recompute_layers)
     c = _Coordinator(list(numel), list(padded), list(persistent), events, list(units), max_live, prefetch_bucket,
                      max_reuse, frozen=list(frozen))
-    out: list[tuple[Gather, int]] = []
+    repeats: list[int | None] = []
+    steps: list[tuple[Gather, ...]] = []
     for measured in (False, True):
         c.boundary()
         c.gathers = []
         last: tuple | None = None
+        repeats.append(None)
         for k in range(grad_accum):
             start = (frozenset(c.available), len(c.cache))
             mark = len(c.gathers)
             c.micro_step()
-            if last is not None and start == last[0] and len(c.cache) == start[1]:
-                repeat = grad_accum - k  # this one and every later one
-                if measured:
-                    out.extend((g, repeat) for g in c.gathers[mark:])
-                break
-            last = (start,)
             if measured:
-                out.extend((g, 1) for g in c.gathers[mark:])
-    return tuple(out)
+                steps.append(tuple(c.gathers[mark:]))
+            if last is not None and start == last and len(c.cache) == start[1]:
+                repeats[-1] = k
+                break
+            last = start
+    return tuple(steps), repeats[0], repeats[1]

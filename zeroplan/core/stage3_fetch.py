@@ -348,7 +348,8 @@ def stage3_gathers(numel: list[int], padded: list[int], persistent: list[bool], 
     """
     args = (tuple(numel), tuple(padded), tuple(persistent), tuple(units), max_live, prefetch_bucket, max_reuse)
     tail = (recompute_layers, tuple(frozen or ()))
-    steps, warm_repeat, repeat_at = _replayed(*args, _STEADY_MICRO_STEPS, *tail)
+    steps, warm_repeat, repeat_at = _replayed(*args, _STEADY_MICRO_STEPS, *tail) if grad_accum > 2 else (
+        (), None, None)  # a micro-step repeats its predecessor at k >= 1: one or two are replayed as they are
     if warm_repeat is None or repeat_at is None or grad_accum <= max(warm_repeat, repeat_at):
         steps, warm_repeat, repeat_at = _replayed(*args, grad_accum, *tail)
     out = [(g, 1) for step in steps[:repeat_at] for g in step]

@@ -95,3 +95,67 @@ def test_layout_units_give_the_tied_head_the_embeddings_tensor():
     assert {u.name for u in embeds} == {t.module for t in spec.tensors if t.role in ("embed", "pos_embed")}
     # every tensor is read by its owner's unit; the head reads one more (the tie)
     assert sum(len(u.params) for u in lay.units) == len(lay.tensors) + 1
+
+
+def _brute_force(numel, persistent, units, *, max_live, prefetch, reuse, gas, recompute=False):
+    """Every micro-step of the warm-up and the measured step replayed, no repetition shortcut:
+    {(phase, elements, params, prefetch): calls} of the measured step."""
+    from zeroplan.core.stage3_fetch import _Coordinator, micro_step_events
+
+    c = _Coordinator(list(numel), list(numel), list(persistent), micro_step_events(list(units), recompute),
+                     list(units), max_live, prefetch, reuse)
+    for _ in range(2):  # the warm-up step, then the measured one
+        c.boundary()
+        c.gathers = []
+        for _ in range(gas):
+            c.micro_step()
+    return Counter((g.phase, g.elements, g.params, g.prefetch) for g in c.gathers)
+
+
+def test_every_accumulation_equals_replaying_each_micro_step():
+    """``stage3_gathers`` replays until a micro-step repeats its predecessor and counts the rest, and
+    serves every accumulation past that point from one 16-micro-step replay (``recommend`` plans many
+    grad_accum values): both shortcuts against replaying every micro-step of both steps."""
+    from zeroplan.core import stage3_fetch
+
+    spec = load_model("gpt2").scaled(num_layers=2, hidden_size=48, vocab_size=301, num_attention_heads=3)
+    lay = zero_layout(spec, 1, ZeroConfig(stage=3, param_persistence_threshold=0))
+    numel = [t.numel for t in lay.tensors]
+    persistent = [False] * len(numel)
+
+    def planned(gas, **kw):
+        got: Counter = Counter()
+        for g, count in stage3_gathers(numel, numel, persistent, lay.units, grad_accum=gas, **kw):
+            got[(g.phase, g.elements, g.params, g.prefetch)] += count
+        return got
+
+    for max_live, prefetch, reuse in ((E9, 3000, 0), (E9, 3000, 20000), (12000, 3000, 5000), (0, 0, E9), (0, 0, 0)):
+        for recompute in (False, True):
+            kw = {"max_live": max_live, "prefetch_bucket": prefetch, "max_reuse": reuse, "recompute_layers": recompute}
+            stage3_fetch._replayed.cache_clear()
+            for gas in (1, 2, 3, 4, 7, 17, 20):
+                want = _brute_force(numel, persistent, lay.units, max_live=max_live, prefetch=prefetch,
+                                    reuse=reuse, gas=gas, recompute=recompute)
+                assert planned(gas, **kw) == want, (max_live, prefetch, reuse, recompute, gas)
+            # one replay each for grad_accum 1 and 2, one steady replay for all the others
+            assert stage3_fetch._replayed.cache_info().misses == 3
+
+
+def test_replays_are_shared_by_layouts_of_the_same_model():
+    """Each plan builds its own Layout (evaluate, check, recommend's alternatives): the replays are
+    cached by content, so a second layout of the same model reuses them; another model does not."""
+    from zeroplan.core.comm import _replayed_calls
+    from zeroplan.core.stage3_live import backward_gathered, replay_inputs
+
+    zero = ZeroConfig(stage=3)
+    spec = load_model("gpt2").scaled(num_layers=2, hidden_size=48, vocab_size=301, num_attention_heads=3)
+    one, two = zero_layout(spec, 2, zero), zero_layout(spec, 2, zero)
+    other = zero_layout(spec.scaled(num_layers=3), 2, zero)
+    assert one is not two and replay_inputs(one, one, frozenset()) == replay_inputs(two, two, frozenset())
+    assert hash(replay_inputs(one, one, frozenset())) == hash(replay_inputs(two, two, frozenset()))
+    assert replay_inputs(other, other, frozenset()) != replay_inputs(one, one, frozenset())
+    kw = {"max_live": E9, "prefetch_bucket": 50_000_000, "max_reuse": E9, "grad_accum": 1, "recompute_layers": False}
+    assert backward_gathered(one, one, frozenset(), **kw) is backward_gathered(two, two, frozenset(), **kw)
+    assert _replayed_calls(one, one, zero, 1, False, frozenset()) is _replayed_calls(two, two, zero, 1, False,
+                                                                                       frozenset())
+    assert backward_gathered(other, other, frozenset(), **kw) != backward_gathered(one, one, frozenset(), **kw)

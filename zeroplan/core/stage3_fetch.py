@@ -348,10 +348,9 @@ def stage3_gathers(numel: list[int], padded: list[int], persistent: list[bool], 
     """
     args = (tuple(numel), tuple(padded), tuple(persistent), tuple(units), max_live, prefetch_bucket, max_reuse)
     tail = (recompute_layers, tuple(frozen or ()))
-    steps, warm_repeat, repeat_at = _replayed(*args, _STEADY_MICRO_STEPS, *tail) if grad_accum > 2 else (
-        (), None, None)  # a micro-step repeats its predecessor at k >= 1: one or two are replayed as they are
-    if warm_repeat is None or repeat_at is None or grad_accum <= max(warm_repeat, repeat_at):
-        steps, warm_repeat, repeat_at = _replayed(*args, grad_accum, *tail)
+    # a micro-step repeats its predecessor at k >= 1: one or two micro-steps are replayed as they are
+    steady = _replayed(*args, _STEADY_MICRO_STEPS, *tail) if grad_accum > 2 else None
+    steps, warm_repeat, repeat_at = steady if _serves(steady, grad_accum) else _replayed(*args, grad_accum, *tail)
     out = [(g, 1) for step in steps[:repeat_at] for g in step]
     if repeat_at is not None:  # that micro-step and every later one
         out += [(g, grad_accum - repeat_at) for g in steps[repeat_at]]
@@ -359,13 +358,20 @@ def stage3_gathers(numel: list[int], padded: list[int], persistent: list[bool], 
 
 
 _STEADY_MICRO_STEPS = 16
+_Replay = tuple[tuple[tuple[Gather, ...], ...], int | None, int | None]  # per micro-step gathers, repeats
+
+
+def _serves(steady: _Replay | None, grad_accum: int) -> bool:
+    """Whether the steady replay holds ``grad_accum``'s: both its steps repeated before that many micro-steps."""
+    if steady is None or steady[1] is None or steady[2] is None:
+        return False
+    return grad_accum > max(steady[1], steady[2])
 
 
 @lru_cache(maxsize=64)
 def _replayed(numel: tuple[int, ...], padded: tuple[int, ...], persistent: tuple[bool, ...],
               units: tuple[FetchUnit, ...], max_live: int, prefetch_bucket: int, max_reuse: int, grad_accum: int,
-              recompute_layers: bool, frozen: tuple[bool, ...]
-              ) -> tuple[tuple[tuple[Gather, ...], ...], int | None, int | None]:
+              recompute_layers: bool, frozen: tuple[bool, ...]) -> _Replay:
     """A warm-up and a measured step of ``grad_accum`` micro-steps for hashable inputs, kept per process:
     the measured step's gathers per micro-step up to the first that repeats its predecessor, and the
     index of that micro-step in the warm-up and in the measured step (None: none repeated). The replay

@@ -295,8 +295,9 @@ def _replayed_calls(layout: Layout, tl: Layout, zero: ZeroConfig, gas: int, reco
                     no_backward: frozenset[str]) -> tuple[tuple[tuple[str, int, int, bool, int], ...], bool]:
     """The replayed gathers of one optimizer step (core/stage3_fetch.py) as (phase, elements, parameters,
     recompute, calls), identical calls merged in first-call order (the ledger merges them the same way),
-    and whether the whole model came in one forward gather. Kept on the layout: ``recommend`` plans one
-    layout at many micro-batches and bucket sizes, and the replay depends on none of them."""
+    and whether the whole model came in one forward gather. Kept on the layout, and per process by the
+    replay's inputs (``ReplayInputs``: plans of the same model build layouts of their own): ``recommend``
+    plans one model at many micro-batches and bucket sizes, and the replay depends on none of them."""
     key = (no_backward, tl.tensor_names, int(zero.max_live_parameters),
            int(zero.prefetch_bucket_size), int(zero.max_reuse_distance), int(gas), bool(recompute))
     memo = layout.__dict__.setdefault("_stage3_calls", {})  # a layout is never mutated

@@ -295,18 +295,14 @@ def _replayed_calls(layout: Layout, tl: Layout, zero: ZeroConfig, gas: int, reco
                     no_backward: frozenset[str]) -> tuple[tuple[tuple[str, int, int, bool, int], ...], bool]:
     """The replayed gathers of one optimizer step (core/stage3_fetch.py) as (phase, elements, parameters,
     recompute, calls), identical calls merged in first-call order (the ledger merges them the same way),
-    and whether the whole model came in one forward gather. Kept on the layout, and per process by the
-    replay's inputs (``ReplayInputs``: plans of the same model build layouts of their own): ``recommend``
-    plans one model at many micro-batches and bucket sizes, and the replay depends on none of them."""
-    key = (no_backward, tl.tensor_names, int(zero.max_live_parameters),
-           int(zero.prefetch_bucket_size), int(zero.max_reuse_distance), int(gas), bool(recompute))
-    memo = layout.__dict__.setdefault("_stage3_calls", {})  # a layout is never mutated
-    if key not in memo:
-        memo[key] = _merged_calls(replay_inputs(layout, tl, no_backward), *key[2:])
-    return memo[key]
+    and whether the whole model came in one forward gather. Cached per process by the replay's inputs
+    (``ReplayInputs``, equal for every layout of the same model): ``recommend`` plans one model at many
+    micro-batches and bucket sizes, and the replay depends on none of them."""
+    return _merged_calls(replay_inputs(layout, tl, no_backward), int(zero.max_live_parameters),
+                         int(zero.prefetch_bucket_size), int(zero.max_reuse_distance), int(gas), bool(recompute))
 
 
-@lru_cache(maxsize=128)
+@lru_cache(maxsize=256)
 def _merged_calls(inputs: ReplayInputs, max_live: int, prefetch_bucket: int, max_reuse: int, gas: int,
                   recompute: bool) -> tuple[tuple[tuple[str, int, int, bool, int], ...], bool]:
     numel, padded, persistent, units, frozen = inputs

@@ -77,27 +77,34 @@ def replay_inputs(layout: Layout, tl: Layout, no_backward: frozenset[str]) -> Re
     if key not in cache:
         pset = {t.name for t in layout.persistent_tensors}
         trained = set(key[1])
-        cache[key] = ReplayInputs((
+        cache[key] = _interned(ReplayInputs((
             tuple(t.numel for t in layout.tensors), tuple(layout.padded(t.numel) for t in layout.tensors),
             tuple(t.name in pset for t in layout.tensors),
             tuple(replace(u, backward=u.name not in no_backward) for u in layout.units),
-            tuple(t.name not in trained for t in layout.tensors)))
+            tuple(t.name not in trained for t in layout.tensors))))
     return cache[key]
+
+
+_INTERNED: dict[ReplayInputs, ReplayInputs] = {}
+
+
+def _interned(inputs: ReplayInputs) -> ReplayInputs:
+    """One object per content: the replays' caches then find their key by identity, not by comparing
+    a thousand fetch units each call from a layout of its own."""
+    if len(_INTERNED) > 256:
+        _INTERNED.clear()
+    return _INTERNED.setdefault(inputs, inputs)
 
 
 def backward_gathered(layout: Layout, tl: Layout, no_backward: frozenset[str], *, max_live: int, prefetch_bucket: int,
                       max_reuse: int, grad_accum: int, recompute_layers: bool) -> BackwardGathered:
     """The gathered elements live through the backward of a steady micro-step (after a warm-up step,
     as ``stage3_gathers``; with gradient accumulation the larger of the first two micro-steps)."""
-    key = ("backward_gathered", no_backward, tl.tensor_names, int(max_live), int(prefetch_bucket),
-           int(max_reuse), min(int(grad_accum), 2), bool(recompute_layers))
-    memo = layout.__dict__.setdefault("_backward_gathered", {})  # a layout is never mutated
-    if key not in memo:
-        memo[key] = _gathered(replay_inputs(layout, tl, no_backward), *key[3:])
-    return memo[key]
+    return _gathered(replay_inputs(layout, tl, no_backward), int(max_live), int(prefetch_bucket), int(max_reuse),
+                     min(int(grad_accum), 2), bool(recompute_layers))
 
 
-@lru_cache(maxsize=128)
+@lru_cache(maxsize=256)  # by content: every plan of the same model builds a layout of its own
 def _gathered(inputs: ReplayInputs, max_live: int, prefetch_bucket: int, max_reuse: int, micro_steps: int,
               recompute_layers: bool) -> BackwardGathered:
     numel, padded, persistent, units, frozen = inputs

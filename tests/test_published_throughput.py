@@ -59,7 +59,8 @@ def test_llm_foundry_h100_fsdp_throughput():
     assert med <= MEDIAN_BOUND
 
 
-MEDIAN_BOUND = 0.11  # reached: 9.9% (10.0% before the GPU optimizer step; before the compute model and overlap schedule: 15.0%, worst +67%)
+# reached: 9.9% (10.0% before the GPU optimizer step; before the compute model and overlap schedule: 15.0%, worst +67%)
+MEDIAN_BOUND = 0.11
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,7 +163,8 @@ def test_llm_foundry_complete_tables():
     assert meds["llm-foundry-h100-large"] <= 0.10
 
 
-# reached: 7.3% over the 165 rows (7.4% before the GPU optimizer step; h100-large 8.1%, h100 9.3%, a100-80gb 7.2%, a100-40gb 7.2%); worst the MPT-125M
+# reached: 7.3% over the 165 rows (7.4% before the GPU optimizer step; h100-large 8.1%, h100 9.3%, a100-80gb 7.2%,
+# a100-40gb 7.2%); worst the MPT-125M
 # rows on A100 (+19% to +32%), where per-kernel overheads the model does not count dominate
 FOUNDRY_REST_MEDIAN_BOUND = 0.085
 

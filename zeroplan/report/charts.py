@@ -312,7 +312,8 @@ def render_time_bars(con: Any, result: Any, *, title: str | None = None) -> None
     labels = [stage_label(p, ascii_only) for p, _ in rows]
     suffixes = [_time_suffix(p) for p, _ in rows]
     label_w, bar_w, wrap = _layout(con, labels, suffixes)
-    con.print(Text(title or "Time per optimizer step: compute, exposed communication, the optimizer step, offload (seconds)", style="bold"))
+    con.print(Text(title or "Time per optimizer step: compute, exposed communication, the optimizer step, offload "
+                   "(seconds)", style="bold"))
     for (p, values), label, suffix in zip(rows, labels, suffixes):
         cells = _scale_cells(values, axis_max, bar_w)
         line = Text(label.ljust(label_w) + "  ")

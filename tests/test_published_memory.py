@@ -37,7 +37,8 @@ CASES = json.loads(DATA.read_text())["cases"]
 README = Path(__file__).parents[1] / "README.md"
 GIB = 2**30
 PROFILE = Path(__file__).parents[1] / "hardware_profiles" / "dgx-a100-80gb.toml"
-SCORED = ("allocated_at_oom", "nvidia_smi")  # figures in the median
+# figures in the median: max_allocated / max_reserved are torch.cuda's counters in a training log's memory report
+SCORED = ("allocated_at_oom", "max_allocated", "max_reserved", "nvidia_smi")
 STEP_OOM_TOLERANCE = 0.02  # allocated_at_oom read from PyTorch's counters (two decimals of GiB)
 # Verdicts zeroplan gets wrong, each with its reason (tests/data/published/README.md, README
 # "Against published measurements"): the test fails when one of them starts passing (update the
@@ -72,12 +73,15 @@ def predict(case: dict, fragmentation_fraction: float | None = None) -> tuple[ob
     plan = evaluate(model=spec, training=training, zero=zero, n_gpus=s["gpus"], gpus_per_node=s["gpus_per_node"],
                     hardware=hw)
     fig = case["measured"]["figure"]
-    got = {"allocated_at_oom": plan.memory.allocated, "nvidia_smi": plan.memory.peak,
+    got = {"allocated_at_oom": plan.memory.allocated, "max_allocated": plan.memory.allocated, "nvidia_smi": plan.memory.peak,
            "allocated_at_oom_forward": plan.memory.phases["forward"].peak, None: None}[fig]
     return plan, got
 
 
 def table() -> list[dict]:
+    """One row per case (its figure and fits/OOM verdict), and a second row for a case whose report
+    also gives ``torch.cuda.max_memory_reserved`` (``measured.max_reserved_bytes``: the allocator's
+    cached total, zeroplan's reserved; no verdict on that row)."""
     rows = []
     for case in CASES:
         plan, got = predict(case)
@@ -87,21 +91,26 @@ def table() -> list[dict]:
             "err": (got - want) / want if want else None, "published": case["verdict"],
             "zeroplan": "fits" if plan.fits else "oom",
         })
+        reserved = case["measured"].get("max_reserved_bytes")
+        if reserved:
+            rows.append({"id": case["id"], "figure": "max_reserved", "want": reserved, "got": plan.memory.reserved,
+                         "err": (plan.memory.reserved - reserved) / reserved, "published": None, "zeroplan": None})
     return rows
 
 
 def summary(rows: list[dict]) -> dict:
     scored = [r["err"] for r in rows if r["figure"] in SCORED]
+    verdicts = [r for r in rows if r["published"] is not None]
     return {
-        "cases": len(rows), "sources": len({c["tracker"] for c in CASES}), "scored": len(scored),
+        "cases": len(verdicts), "sources": len({c["tracker"] for c in CASES}), "scored": len(scored),
         "median": statistics.median(abs(e) for e in scored),
-        "right": sum(r["published"] == r["zeroplan"] for r in rows),
+        "right": sum(r["published"] == r["zeroplan"] for r in verdicts),
     }
 
 
 def readme_sentence(s: dict) -> str:
-    return (f"{s['cases']} cases from {s['sources']} independent sources, {s['scored']} with a scored "
-            f"figure: median |error| **{s['median']:.1%}**; {s['right']} of {s['cases']} fits/OOM verdicts right.")
+    return (f"{s['cases']} cases from {s['sources']} independent sources, {s['scored']} scored "
+            f"figures: median |error| **{s['median']:.1%}**; {s['right']} of {s['cases']} fits/OOM verdicts right.")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -111,7 +120,8 @@ def print_table(rows: list[dict]) -> None:
         w = f"{r['want'] / GIB:12.2f}" if r["want"] else f"{'-':>12}"
         g = f"{r['got'] / GIB:13.2f}" if r["got"] else f"{'-':>13}"
         e = f"{r['err']:+7.1%}" if r["err"] is not None else f"{'-':>7}"
-        print(f"{r['id']:47} {r['figure'] or 'verdict':25} {w} {g} {e}  {r['published']}/{r['zeroplan']}")
+        v = f"{r['published']}/{r['zeroplan']}" if r["published"] is not None else "-"
+        print(f"{r['id']:47} {r['figure'] or 'verdict':25} {w} {g} {e}  {v}")
     s = summary(rows)
     print(f"median |error| over {s['scored']} scored figures: {s['median']:.1%}; {s['right']}/{s['cases']} verdicts "
           f"right; {s['sources']} independent sources; goal (<= 5%, all verdicts right) "
@@ -122,7 +132,7 @@ def test_published_cases_error_and_verdicts(capsys):
     rows = table()
     with capsys.disabled():
         print_table(rows)
-    wrong = {r["id"] for r in rows if r["published"] != r["zeroplan"]}
+    wrong = {r["id"] for r in rows if r["published"] is not None and r["published"] != r["zeroplan"]}
     assert wrong == set(KNOWN_WRONG_VERDICTS), f"fits/OOM verdicts wrong: {sorted(wrong)}"
     assert summary(rows)["median"] <= MEDIAN_GOAL, summary(rows)
     for r in rows:
@@ -143,6 +153,37 @@ def test_readme_states_what_the_code_computes():
         assert re.search(rf"`{re.escape(r['id'])}`[^\n]*\| {re.escape(cell)} \|", README.read_text()), (r["id"], cell)
 
 
+# Reserved totals zeroplan plans too low, each with its reason (README "Against published measurements"):
+# the test fails when one comes within 30% (update the set) or another falls that far short.
+KNOWN_RESERVED_GAPS: dict[str, str] = {
+    "ds-zeropp-tutorial-18b-z3-64xv100": "unexplained: 18.40 GiB cached at 8.09 GiB allocated (2.27x); the slack and "
+                                         "side-pool model reaches 10.17 GiB, and 10.92 GiB with slack on every churned byte",
+    "ds-zeropp-tutorial-18b-zeropp-64xv100": "unexplained, as the ZeRO-3 run of the same tutorial: 20.06 GiB cached at "
+                                             "10.02 GiB allocated (2.00x)",
+}
+MiB = 2**20
+
+
+def test_megatron_memory_reports(capsys):
+    """Cases read off a Megatron memory report also give the bytes allocated between steps: the
+    baseline ZeRO-3 run's pin its unpublished bucket size (model states + one fp16 bucket of 1e7
+    elements, within 1 MiB; DeepSpeed's default 5e8 would add 934 MiB). Their reserved totals are the
+    known gaps above."""
+    reports = [c for c in CASES if "idle_allocated_bytes" in c["measured"]]
+    assert len(reports) == 2
+    with capsys.disabled():
+        for case in reports:
+            mem = predict(case)[0].memory
+            idle = mem.model_states + mem.buffers_detail["ipg_bucket"]
+            want = case["measured"]["idle_allocated_bytes"]
+            print(f"{case['id']}: allocated between steps {want / MiB:.2f} MiB, zeroplan's model states + bucket "
+                  f"{idle / MiB:.2f} MiB ({(idle - want) / MiB:+.2f})")
+            if case["id"] == "ds-zeropp-tutorial-18b-z3-64xv100":
+                assert abs(idle - want) <= MiB
+    short = {r["id"] for r in table() if r["figure"] == "max_reserved" and r["err"] < -0.30}
+    assert short == set(KNOWN_RESERVED_GAPS)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_case_setup_is_complete(case):
     s = case["setup"]
@@ -154,6 +195,7 @@ def test_case_setup_is_complete(case):
     assert s["ds_config"]["zero_optimization"]["stage"] == s["stage"]
     assert s.get("activations", "transformers") in ACTIVATION_IMPLS
     assert case["measured"]["figure"] in (None, *SCORED, "allocated_at_oom_forward")
+    assert case["measured"]["figure"] != "max_reserved"  # a second row of a report's case (table())
     assert (case["measured"]["figure"] is None) == (case["measured"].get("bytes") is None)
     zero = load_ds_config(s["ds_config"], hidden_size=load_model(
         str(DATA.parent / s["model"]) if s["model"].endswith(".json") else s["model"]).hidden_size).zero

@@ -7,10 +7,10 @@ cluster within the same hour. These are the only published ZeRO-3 figures with t
 that zeroplan has: they say how much of each phase's communication the runs hid.
 
 The tutorial does not state the network. The ZeRO-3 iteration fixes it: planned with 1 x 100 Gb/s
-InfiniBand per node it is 4% short of the logged one, with 2, 4 or 8 NICs 50-81% short. On that
+InfiniBand per node it is 3% short of the logged one, with 2, 4 or 8 NICs 48-81% short. On that
 network the logged forward and backward both lie between zeroplan's schedule (the estimate) and the
 no-overlap bracket, near the estimate: the runs hid most of the compute behind the gathers (with
-nothing hidden the backward would take 7.2 s, not 6.5 s). The ZeRO++ run on the same cluster lies
+nothing hidden the backward would take 7.4 s, not 6.5 s). The ZeRO++ run on the same cluster lies
 inside the bracket too, but 16% above the estimate: its backward hid half of what the plan hides.
 Megatron's "optimizer" timer (140 ms, 1.4% of the step) is the plan's GPU optimizer step (its HBM passes,
 core/optimizer_step.py) plus the step's collectives (the persistent parameters' gathers, the norm): 55 ms.
@@ -34,10 +34,12 @@ from zeroplan.specs.training import TrainingSetup, get_precision
 
 DATA = Path(__file__).parent / "data" / "published"
 # docs/_tutorials/zeropp.md's ds_zeropp_config.json (overlap_comm, contiguous_gradients and
-# reduce_scatter are DeepSpeed's stage-3 defaults as well)
+# reduce_scatter are DeepSpeed's stage-3 defaults as well). The baseline is that config without the ZeRO++
+# switches: its memory report shows 4421.16 MiB allocated between steps, the model states plus one fp16
+# bucket of 1e7 elements (tests/test_published_memory.py::test_megatron_memory_reports), not 5e8's
 ZEROPP = ZeroConfig(stage=3, reduce_bucket_size=10_000_000, zero_quantized_weights=True,
                     zero_hpz_partition_size=16, zero_quantized_gradients=True)
-CONFIGS = {"baseline": ZeroConfig(stage=3), "zeropp": ZEROPP}
+CONFIGS = {"baseline": ZeroConfig(stage=3, reduce_bucket_size=10_000_000), "zeropp": ZEROPP}
 
 
 def _rows() -> dict[str, dict[str, str]]:
@@ -132,8 +134,8 @@ def _implied_slowdown() -> tuple[float, float, list[float]]:
 
 def test_the_logs_imply_an_overlap_slowdown_and_what_it_does_to_the_network_ratios():
     """The forwards' difference gives the gathers' time per byte within 2% of the plan (k), and the three phases
-    whose communication outlasts their compute (both forwards, ZeRO-3's backward) each lost 0.27-0.31 of the
-    compute they hid: about twice the planner's default (0.15, from A100/H100/MI250 measurements). A profile
+    whose communication outlasts their compute (both forwards, ZeRO-3's backward) each lost 0.16-0.29 of the
+    compute they hid: up to twice the planner's default (0.15, from A100/H100/MI250 measurements). A profile
     carrying that figure (what ``zeroplan bench overlap`` would write on that cluster) moves the 384-GPU
     figures' ratio pairs (tests/test_published_zeropp.py) from a median difference of 0.113 to 0.104; only
     nothing hidden at all (1.0) reproduces them (0.045). So the 384-GPU runs hid far less than these 64-GPU
@@ -144,7 +146,7 @@ def test_the_logs_imply_an_overlap_slowdown_and_what_it_does_to_the_network_rati
     k, s, each = _implied_slowdown()
     print(f"gathers' time per byte, logged / planned: {k:.3f}; slowdown per phase {[round(x, 3) for x in each]}, median {s:.3f}")
     assert abs(k - 1) < 0.02
-    assert len(each) == 3 and all(0.25 < x < 0.33 for x in each)
+    assert len(each) == 3 and all(0.15 < x < 0.31 for x in each)
     median = statistics.median(abs(p - m) for _, p, m in _pairs(s))
     print(f"ZeRO++ figures' ratio pairs with slowdown {s:.3f}: median |difference| {median:.3f}")
     assert 0.1 < median < 0.11

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from zeroplan.core.allocator import STAGE3_CACHE_NOTE
 from zeroplan.core.memory import grads_from_autograd
 from zeroplan.core.plan import evaluate
 from zeroplan.specs.deepspeed_config import load_ds_config
@@ -185,6 +186,22 @@ def test_megatron_memory_reports(capsys):
                 assert abs(idle - want) <= MiB
     short = {r["id"] for r in table() if r["figure"] == "max_reserved" and r["err"] < -0.30}
     assert short == set(KNOWN_RESERVED_GAPS)
+
+
+def test_stage3_cache_note_states_the_published_ratios():
+    """Every stage-3 plan carries STAGE3_CACHE_NOTE (core/allocator.py); its ranges are these cases':
+    the cached memory measured over the planned (the two reports' max_reserved, LLaMA-Factory #5977's
+    nvidia-smi) and the reports' reserved over their max allocated."""
+    rows = table()
+    planned = [r["want"] / r["got"] for r in rows if r["figure"] == "max_reserved"
+               or r["id"] == "llamafactory-5977-llama3-8b-z3-offload-3090"]
+    measured = [c["measured"]["max_reserved_bytes"] / c["measured"]["bytes"] for c in CASES
+                if "max_reserved_bytes" in c["measured"]]
+    assert len(planned) == 3 and len(measured) == 2
+    assert f"cached {min(planned):.1f}-{max(planned):.1f}x the reserved memory" in STAGE3_CACHE_NOTE
+    assert f"({min(measured):.1f}-{max(measured):.1f}x their allocated peak)" in STAGE3_CACHE_NOTE
+    by_stage = {c["setup"]["stage"]: predict(c)[0] for c in CASES if c["setup"]["stage"] in (2, 3)}
+    assert STAGE3_CACHE_NOTE in by_stage[3].memory.notes and STAGE3_CACHE_NOTE not in by_stage[2].memory.notes
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

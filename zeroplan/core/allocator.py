@@ -48,10 +48,18 @@ from __future__ import annotations
 
 from zeroplan.specs.ds_schema import ZeroConfig
 
-__all__ = ["MIB", "communicators", "release_under_pressure", "required_bytes", "reserved_bytes", "round_block",
-           "round_segment"]
+__all__ = ["MIB", "STAGE3_CACHE_NOTE", "communicators", "release_under_pressure", "required_bytes", "reserved_bytes",
+           "round_block", "round_segment"]
 
 MIB = 1 << 20
+# Published ZeRO-3 runs cached more than this model plans (tests/data/published/memory.json): the ZeRO++
+# tutorial's two Megatron memory reports show max_memory_reserved at 2.27x and 2.00x the allocated peak,
+# 1.81x and 1.63x the reserved planned here, and LLaMA-Factory #5977's nvidia-smi is 2.0x the planned
+# device total; the allocated peaks of the first two are planned within 3%. Not modelled until a mechanism
+# explains it (README 'Against published measurements').
+STAGE3_CACHE_NOTE = ("stage 3: published ZeRO-3 runs cached 1.6-2.0x the reserved memory this model plans "
+                     "(2.0-2.3x their allocated peak), so nvidia-smi may show more than planned; the fits verdict "
+                     "rests on the bytes the allocator cannot release")
 _MIN_BLOCK = 512  # kMinBlockSize
 _ROUND_LARGE = 2 * MIB  # kRoundLarge
 

@@ -30,7 +30,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from zeroplan.core.activations import ActivationBreakdown, activation_memory
-from zeroplan.core.allocator import communicators, release_under_pressure, required_bytes, reserved_bytes
+from zeroplan.core.allocator import (STAGE3_CACHE_NOTE, communicators, release_under_pressure, required_bytes,
+                                     reserved_bytes)
 from zeroplan.core.backward_moments import BackwardMoment, activation_at, backward_moments, set_backward_side
 from zeroplan.core.finetune import FineTuneViews
 from zeroplan.core.host_memory import HostMemory, host_memory
@@ -301,6 +302,8 @@ def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingS
         od["nccl"] = int(overhead.get("nccl_bytes", 0)) * n_comm
     else:
         notes.append("no hardware profile: CUDA context, NCCL buffers and cuBLAS workspaces are not included; no allocator slack")
+    if pb.side.get("allgather"):  # stage 3: gathered parameters on their own stream's pool
+        notes.append(STAGE3_CACHE_NOTE)
     capped = release_under_pressure(reserved, required, sum(od.values()), gpu_memory_bytes)
     if capped != reserved:
         notes.append(f"the allocator's cache ({reserved / 2**30:.2f} GiB) would outgrow the card: PyTorch frees cached "

@@ -38,6 +38,7 @@ DATA = Path(__file__).parent / "data" / "published" / "memory.json"
 CASES = json.loads(DATA.read_text())["cases"]
 README = Path(__file__).parents[1] / "README.md"
 GIB = 2**30
+MiB = 2**20
 PROFILE = Path(__file__).parents[1] / "hardware_profiles" / "dgx-a100-80gb.toml"
 # figures in the median: max_allocated / max_reserved are torch.cuda's counters in a training log's memory report
 SCORED = ("allocated_at_oom", "max_allocated", "max_reserved", "nvidia_smi")
@@ -165,7 +166,6 @@ KNOWN_RESERVED_GAPS: dict[str, str] = {
     "ds-zeropp-tutorial-18b-zeropp-64xv100": "unexplained, as the ZeRO-3 run of the same tutorial: 20.06 GiB cached at "
                                              "10.02 GiB allocated (2.00x)",
 }
-MiB = 2**20
 
 
 def test_megatron_memory_reports(capsys):

@@ -302,8 +302,6 @@ def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingS
         od["nccl"] = int(overhead.get("nccl_bytes", 0)) * n_comm
     else:
         notes.append("no hardware profile: CUDA context, NCCL buffers and cuBLAS workspaces are not included; no allocator slack")
-    if pb.side.get("allgather"):  # stage 3: gathered parameters on their own stream's pool
-        notes.append(STAGE3_CACHE_NOTE)
     capped = release_under_pressure(reserved, required, sum(od.values()), gpu_memory_bytes)
     if capped != reserved:
         notes.append(f"the allocator's cache ({reserved / 2**30:.2f} GiB) would outgrow the card: PyTorch frees cached "
@@ -399,6 +397,8 @@ def memory_for_stage(
     n_comm = communicators(zero, stage, n_gpus)
     allocated, reserved, required, side, od = _device_figures(phases, pb, training, overhead, n_comm,
                                                               gpu_memory_bytes, step_pinned, notes)
+    if stage == 3:
+        notes.append(STAGE3_CACHE_NOTE)
     peak = reserved + od.get("cuda_context", 0) + od.get("nccl", 0)
 
     gp, gather = _peak_gather(pb, stage, peak_phase)

@@ -174,7 +174,7 @@ def measure_optimizer_time(device: str, hardware: Any = None, numel: int | None 
     import torch
 
     from zeroplan.bench.gemm_check import timer
-    from zeroplan.core.compute import HBM_EFFICIENCY
+    from zeroplan.core.compute import HBM_EFFICIENCY, hbm_stream_time_s
     from zeroplan.core.optimizer_step import inner_step_passes
     from zeroplan.specs.training import TrainingSetup
 
@@ -189,7 +189,7 @@ def measure_optimizer_time(device: str, hardware: Any = None, numel: int | None 
             out.append(_skip(f"optimizer {impl} time", _unavailable(exc)))
             continue
         per_el = sum(b for _, b in inner_step_passes(TrainingSetup(optimizer_impl=_IMPL_OF[impl])))
-        pred = None if hardware is None else per_el * numel / (hardware.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
+        pred = None if hardware is None else hbm_stream_time_s(per_el * numel, hardware)
         out.append(row(f"optimizer {impl} time", f"AdamW step over {numel:,} fp32 elements",
                        None if pred is None else pred * 1e3, t * 1e3, unit="ms",
                        note=f"{per_el} B/element planned: {per_el * numel / t / 1e9:,.0f} GB/s achieved; planner: HBM "

@@ -50,8 +50,8 @@ from zeroplan.core.elementwise import elementwise_traffic
 from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
 from zeroplan.specs.training import PrecisionPreset, TrainingSetup
 
-__all__ = ["ComputeEstimate", "GENERATIONS", "Generation", "eager_score_bytes", "flops_per_token", "gpu_generation", "estimate_compute",
-           "matmul_rate", "peak_flops"]
+__all__ = ["ComputeEstimate", "GENERATIONS", "Generation", "eager_score_bytes", "flops_per_token", "gpu_generation",
+           "estimate_compute", "hbm_stream_time_s", "matmul_rate", "peak_flops"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,12 @@ _DEFAULT_GEN = "ampere"
 
 HBM_EFFICIENCY = 0.8  # of hbm_bandwidth_GBps reached by streaming kernels (STREAM-like copy on HBM2e/HBM3)
 GEMM_HALF_DIM = 128  # a matmul dimension of this size runs at half the large-shape rate (one 128-wide tile)
+
+
+def hbm_stream_time_s(nbytes: float, hw: Any) -> float:
+    """Seconds a memory-bound kernel takes to read and write ``nbytes``: HBM bandwidth × ``HBM_EFFICIENCY``
+    (element-wise work, eager attention scores, the optimizer step's passes)."""
+    return nbytes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
 
 
 def gpu_generation(gpu_name: str) -> str:
@@ -216,7 +222,7 @@ def _eager_attention_time_s(model: Any, training: TrainingSetup, hw: Any, tokens
     fwd_b, bwd_b = eager_score_bytes(training.precision, attn_dropout)
     passes = fwd_b + bwd_b + (fwd_b if training.checkpointing in ("full", "selective") else 0)
     elements = model.num_attention_heads * training.seq_len * model.num_layers * tokens
-    return t_matmul_s + elements * passes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
+    return t_matmul_s + hbm_stream_time_s(elements * passes, hw)
 
 
 def matmul_rate(hw: Any, training: TrainingSetup, hidden: int) -> tuple[float, float]:
@@ -274,7 +280,7 @@ def estimate_compute(model: Any, training: TrainingSetup, hw: Any, *, mfu: float
     att_frac = (3 * fwd_att + re_att) / (t_att * peak) if t_att > 0 else gen.attention_fraction
     ew = elementwise_traffic(model, training)
     ew_bytes = tokens * (ew.forward_bytes + ew.backward_bytes + (ew.recompute_bytes if ck == "full" else 0.0))
-    t_ew = ew_bytes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
+    t_ew = hbm_stream_time_s(ew_bytes, hw)
     t = t_mm + t_att + t_ew
     return ComputeEstimate(
         time_s=t, model_flops=model_flops, hardware_flops=hardware_flops,

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 
 from zeroplan._util import InputError
 from zeroplan.core.comm import CommLedger, LedgerEntry
-from zeroplan.core.compute import HBM_EFFICIENCY, ComputeEstimate, estimate_compute, peak_flops
+from zeroplan.core.compute import HBM_EFFICIENCY, ComputeEstimate, estimate_compute, hbm_stream_time_s, peak_flops
 from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
 from zeroplan.core.nccl_model import AlgoChoice, collective_choice
 from zeroplan.core.overlap import OVERLAP_SLOWDOWN, PhaseComm, overlap_slowdown, schedule_overlap
@@ -167,7 +167,7 @@ def _gpu_optimizer_time_s(ledger: CommLedger, hw: Any, assumptions: list[str]) -
     total_bytes = traffic.total_bytes
     if not total_bytes:
         return 0.0, 0
-    t = total_bytes / (hw.gpu.hbm_bandwidth_GBps * 1e9 * HBM_EFFICIENCY)
+    t = hbm_stream_time_s(total_bytes, hw)
     assumptions.append(f"GPU optimizer step {t * 1e3:,.1f} ms: {total_bytes / 1e9:,.2f} GB of HBM traffic at "
                        f"{HBM_EFFICIENCY:.0%} of {hw.gpu.hbm_bandwidth_GBps:,.0f} GB/s, not overlapped; "
                        f"{traffic.describe()}")

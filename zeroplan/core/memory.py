@@ -282,7 +282,8 @@ def held_bytes(phases: dict[str, PhaseMemory], held_buffers: dict[str, int], ste
 
 def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingSetup,
                     overhead: dict[str, Any] | None, n_comm: int, gpu_memory_bytes: int | None,
-                    step_pinned: bool, notes: list[str]) -> tuple[int, int, int, dict[str, int], dict[str, int]]:
+                    step_pinned: bool, notes: list[str],
+                    stage: int) -> tuple[int, int, int, dict[str, int], dict[str, int]]:
     """(allocated, reserved, required, side pools, overhead detail): the caching allocator's view of
     the phases (core/allocator.py) plus the CUDA context and NCCL per communicator from the profile;
     on a card of ``gpu_memory_bytes`` the cache gives way before an OOM (``release_under_pressure``)."""
@@ -302,6 +303,8 @@ def _device_figures(phases: dict[str, PhaseMemory], pb: Any, training: TrainingS
         od["nccl"] = int(overhead.get("nccl_bytes", 0)) * n_comm
     else:
         notes.append("no hardware profile: CUDA context, NCCL buffers and cuBLAS workspaces are not included; no allocator slack")
+    if stage == 3:
+        notes.append(STAGE3_CACHE_NOTE)
     capped = release_under_pressure(reserved, required, sum(od.values()), gpu_memory_bytes)
     if capped != reserved:
         notes.append(f"the allocator's cache ({reserved / 2**30:.2f} GiB) would outgrow the card: PyTorch frees cached "
@@ -396,9 +399,7 @@ def memory_for_stage(
     # ---- the caching allocator, CUDA context, NCCL (core/allocator.py) ----
     n_comm = communicators(zero, stage, n_gpus)
     allocated, reserved, required, side, od = _device_figures(phases, pb, training, overhead, n_comm,
-                                                              gpu_memory_bytes, step_pinned, notes)
-    if stage == 3:
-        notes.append(STAGE3_CACHE_NOTE)
+                                                              gpu_memory_bytes, step_pinned, notes, stage)
     peak = reserved + od.get("cuda_context", 0) + od.get("nccl", 0)
 
     gp, gather = _peak_gather(pb, stage, peak_phase)

@@ -360,7 +360,8 @@ def test_time_brackets_are_ordered(m, training, nodes, z, hw):
     assert all(v >= 0 for v in t.model_dump().values() if isinstance(v, float))
     assert t.compute_time_s <= t.step_time_best_s <= t.step_time_s <= t.step_time_worst_s
     assert t.step_time_worst_s <= (t.compute_time_s + t.comm_time_s + t.pcie_time_s + t.offload_time_s
-                                   + t.gpu_optimizer_time_s + 1e-9)
+                                   + t.gpu_optimizer_time_s + t.host_time_s + 1e-9)
+    assert 0 <= t.host_bound_s <= t.host_time_s
     assert 0 <= t.comm_share <= 1
     assert (p.fits is True) == (p.memory.peak <= prof.gpu.memory_bytes)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 __all__ = ["OverlapResult", "PhaseComm", "schedule_overlap", "overlap_slowdown", "OVERLAP_SLOWDOWN",
            "OVERLAP_SLOWDOWN_SOURCE"]
@@ -72,12 +72,16 @@ class OverlapResult(BaseModel):
     hidden_s: float  # comm that runs behind compute in the estimate
     slowdown_s: float  # compute lost to sharing the GPU with the hidden comm
     by_phase_exposed_s: dict[str, float]
+    by_phase_best_s: dict[str, float] = Field(default_factory=dict)  # the best case's exposed comm per phase
+    by_phase_hidden_s: dict[str, float] = Field(default_factory=dict)
 
 
 def schedule_overlap(phases: dict[str, PhaseComm], compute_s: dict[str, float],
                      slowdown: float = OVERLAP_SLOWDOWN) -> OverlapResult:
     exposed = best = worst = hidden = 0.0
     by_phase: dict[str, float] = {}
+    by_phase_best: dict[str, float] = {}
+    by_phase_hidden: dict[str, float] = {}
     for name, pc in phases.items():
         c = compute_s.get(name, 0.0)
         total = pc.overlappable_s + pc.serial_s
@@ -87,9 +91,12 @@ def schedule_overlap(phases: dict[str, PhaseComm], compute_s: dict[str, float],
         ex = pc.serial_s + edge + (rest - hid)
         b = pc.serial_s + max(0.0, pc.overlappable_s - c)
         by_phase[name] = ex
+        by_phase_best[name] = min(b, ex)
+        by_phase_hidden[name] = hid
         exposed += ex
         hidden += hid
         best += min(b, ex)
         worst += total
     return OverlapResult(exposed_s=exposed, best_s=best, worst_s=worst, hidden_s=hidden,
-                         slowdown_s=slowdown * hidden, by_phase_exposed_s=by_phase)
+                         slowdown_s=slowdown * hidden, by_phase_exposed_s=by_phase,
+                         by_phase_best_s=by_phase_best, by_phase_hidden_s=by_phase_hidden)

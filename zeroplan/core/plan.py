@@ -17,6 +17,7 @@ from zeroplan.core.finetune import FineTuneViews, ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.specs.finetune import FineTuneInventory
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
+from zeroplan.core.host_time import stage3_host_time_s
 from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
@@ -125,8 +126,12 @@ def evaluate(
         if mem.host.nvme_per_node_bytes and mem.host.nvme_per_node_bytes > hardware.node.nvme_capacity_bytes:
             plan.host_fits = False
             plan.notes.append("NVMe offload exceeds the node's NVMe capacity")
+        units = layout.units if stage == 3 else []
+        host_s = stage3_host_time_s(units, recompute_layers=training.checkpointing == "full",
+                                    grad_accum=training.grad_accum) if units else None
         t = estimate_time(ledger, training, hardware, active_params=model.active_params, n_gpus=n_gpus,
-                          gpus_per_node=gpus_per_node, mfu=mfu, model=model, work=matmul_work(model, finetune))
+                          gpus_per_node=gpus_per_node, mfu=mfu, model=model, work=matmul_work(model, finetune),
+                          host_by_phase_s=host_s)
         plan.time = t
         plan.notes.extend(a for a in t.assumptions if a not in plan.notes)
         plan.comm.time_s = t.comm_time_s

@@ -29,6 +29,7 @@ from zeroplan._util import InputError
 from zeroplan.core.comm import CommLedger, LedgerEntry
 from zeroplan.core.compute import HBM_EFFICIENCY, ComputeEstimate, estimate_compute, hbm_stream_time_s, peak_flops
 from zeroplan.core.finetune_compute import FULL_TRAINING, MatmulWork
+from zeroplan.core.host_time import STAGE3_FETCH_HOST_SOURCE, host_bound_s
 from zeroplan.core.nccl_model import AlgoChoice, collective_choice
 from zeroplan.core.overlap import OVERLAP_SLOWDOWN, PhaseComm, overlap_slowdown, schedule_overlap
 from zeroplan.specs.collectives import busbw_factor
@@ -109,6 +110,9 @@ class TimeEstimate(BaseModel):
     nvme_time_s: float = 0.0  # NVMe swap (exposed)
     offload_time_s: float  # CPU optimizer + NVMe (exposed; 0 without offload)
     overlap_slowdown_s: float = 0.0  # compute lost while hidden comm shares the GPU
+    host_time_s: float = 0.0  # DeepSpeed's stage-3 module hooks on the host (core/host_time.py)
+    host_bound_s: float = 0.0  # what the host adds beyond the GPU's time (the GPU waits for the hooks)
+    host_by_phase_s: dict[str, float] = Field(default_factory=dict)
     overlap_slowdown: float = OVERLAP_SLOWDOWN  # that loss as a fraction of the hidden comm time (core/overlap.py)
     hidden_comm_s: float = 0.0  # comm that runs behind compute in the estimate
     exposed_by_phase_s: dict[str, float] = Field(default_factory=dict)
@@ -174,23 +178,10 @@ def _gpu_optimizer_time_s(ledger: CommLedger, hw: Any, assumptions: list[str]) -
     return t, total_bytes
 
 
-def estimate_time(
-    ledger: CommLedger,
-    training: TrainingSetup,
-    hw: Any,
-    *,
-    active_params: int,
-    n_gpus: int,
-    gpus_per_node: int,
-    mfu: float | None = DEFAULT_MFU,
-    model: Any = None,
-    work: MatmulWork = FULL_TRAINING,
-) -> TimeEstimate:
-    """``work``: which matmul weights train (core/finetune_compute.py; default: all of them)."""
-    comp = estimate_compute(model, training, hw, mfu=mfu, work=work) if model is not None else \
-        _legacy_compute(active_params, training, hw, mfu, work)
-    compute = comp.time_s
-    gas = training.grad_accum
+def _phase_comm(ledger: CommLedger, hw: Any, n_gpus: int, gpus_per_node: int, gas: int
+                ) -> tuple[float, dict[str, float], dict[str, PhaseComm], dict[str, tuple[int, str]]]:
+    """Each collective timed (core/nccl_model.py) and filed by phase and by what the schedule can
+    hide: (serial total, seconds by phase, PhaseComm by phase, the largest call's algorithm by op)."""
     phases = {"forward": PhaseComm(), "backward": PhaseComm(), "step": PhaseComm()}
     by_phase = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     algos: dict[str, tuple[int, str]] = {}
@@ -219,6 +210,36 @@ def estimate_time(
         if first_gather[ph] is not None:
             phases[ph].first_s = min(phases[ph].overlappable_s * per_micro, first_gather[ph]) * gas
     phases["backward"].last_s = min(phases["backward"].overlappable_s * per_micro, last_bucket) * gas
+    return comm, by_phase, phases, algos
+
+
+def _host_note(host_by_phase_s: dict[str, float], bound_s: float) -> str:
+    """Said only when the host binds: the GPU waits for DeepSpeed's hooks."""
+    return (f"host-bound: DeepSpeed's stage-3 module hooks take {sum(host_by_phase_s.values()) * 1e3:,.1f} ms per "
+            f"step on the host and the GPU waits {bound_s * 1e3:,.1f} ms for them; a bigger micro-batch, or ZeRO-2, "
+            f"gives the GPU more work per hook ({STAGE3_FETCH_HOST_SOURCE})")
+
+
+def estimate_time(
+    ledger: CommLedger,
+    training: TrainingSetup,
+    hw: Any,
+    *,
+    active_params: int,
+    n_gpus: int,
+    gpus_per_node: int,
+    mfu: float | None = DEFAULT_MFU,
+    model: Any = None,
+    work: MatmulWork = FULL_TRAINING,
+    host_by_phase_s: dict[str, float] | None = None,
+) -> TimeEstimate:
+    """``work``: which matmul weights train (core/finetune_compute.py; default: all of them).
+    ``host_by_phase_s``: host time a phase needs whatever the GPU does (core/host_time.py); a phase
+    lasts the longer of the two."""
+    comp = estimate_compute(model, training, hw, mfu=mfu, work=work) if model is not None else \
+        _legacy_compute(active_params, training, hw, mfu, work)
+    compute = comp.time_s
+    comm, by_phase, phases, algos = _phase_comm(ledger, hw, n_gpus, gpus_per_node, training.grad_accum)
     slowdown, slowdown_src = overlap_slowdown(hw)
     ov = schedule_overlap(phases, {"forward": comp.forward_time_s, "backward": comp.backward_time_s},
                           slowdown=slowdown)
@@ -238,9 +259,18 @@ def estimate_time(
         assumptions.append(f"overlap: hidden communication slows compute by {slowdown:.0%} of its time "
                            f"({slowdown_src})")
     off = pcie + cpu_opt + nvme
-    step = compute + ov.slowdown_s + ov.exposed_s + off + gpu_opt
-    step_best = compute + ov.best_s + off + gpu_opt
-    step_worst = compute + ov.worst_s + off + gpu_opt
+    host = host_by_phase_s or {}
+    gpu_s = {"forward": comp.forward_time_s, "backward": comp.backward_time_s}
+    host_est = host_bound_s(host, {ph: gpu_s[ph] + ov.by_phase_exposed_s.get(ph, 0.0)
+                                   + slowdown * ov.by_phase_hidden_s.get(ph, 0.0) for ph in gpu_s})
+    host_best = host_bound_s(host, {ph: gpu_s[ph] + ov.by_phase_best_s.get(ph, 0.0) for ph in gpu_s})
+    host_worst = host_bound_s(host, {ph: gpu_s[ph] + by_phase[ph] for ph in gpu_s})
+    if host_est > 0:
+        assumptions.append(_host_note(host, host_est))
+    step = compute + ov.slowdown_s + ov.exposed_s + off + gpu_opt + host_est
+    # each phase lasts max(GPU, host), monotone in the GPU's time: best <= estimate <= worst (min/max: float rounding)
+    step_best = min(step, compute + ov.best_s + off + gpu_opt + host_best)
+    step_worst = max(step, compute + ov.worst_s + off + gpu_opt + host_worst)
     tokens = training.micro_batch * training.seq_len * training.grad_accum
     return TimeEstimate(
         compute_time_s=compute,
@@ -254,6 +284,9 @@ def estimate_time(
         offload_time_s=cpu_opt + nvme,
         overlap_slowdown_s=ov.slowdown_s,
         overlap_slowdown=slowdown,
+        host_time_s=sum(host.values()),
+        host_bound_s=host_est,
+        host_by_phase_s=dict(host),
         hidden_comm_s=ov.hidden_s,
         exposed_by_phase_s=ov.by_phase_exposed_s,
         step_time_s=step,

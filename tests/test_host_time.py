@@ -1,0 +1,105 @@
+"""DeepSpeed's stage-3 module hooks on the host (core/host_time.py).
+
+The fetch counts are DeepSpeed's own: examples/validation/stage3-host/run*.json recorded, by wrapping
+``PartitionedParameterCoordinator.fetch_sub_module``, how often DeepSpeed 0.19.8 fetches a module that
+owns parameters in one step of transformers' Llama and GPT-2 (2 and 10 layers, with and without
+checkpointing); the planner's count must be that, exactly. The time per fetch is the mean of those
+runs' measurements. Nothing here times anything.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from zeroplan.core.host_time import STAGE3_FETCH_HOST_S, host_bound_s, stage3_fetches
+from zeroplan.core.layout import zero_layout
+from zeroplan.core.plan import evaluate
+from zeroplan.specs.deepspeed_config import ZeroConfig
+from zeroplan.specs.hardware import load_profile
+from zeroplan.specs.model import load_model, spec_from_config
+from zeroplan.specs.training import TrainingSetup, get_precision
+
+DATA = Path(__file__).resolve().parent.parent / "examples" / "validation" / "stage3-host"
+
+
+def _runs() -> list[dict]:
+    runs = [json.loads(p.read_text()) for p in sorted(DATA.glob("run*.json"))]
+    assert len(runs) >= 2
+    return runs
+
+
+def _tiny(arch: str, layers: int):
+    """The models measure.py builds (transformers' defaults elsewhere)."""
+    if arch == "llama":
+        cfg = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": layers,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 64,
+               "tie_word_embeddings": False}
+    else:
+        cfg = {"model_type": "gpt2", "n_embd": 16, "n_layer": layers, "n_head": 2, "vocab_size": 64, "n_positions": 64}
+    return spec_from_config(cfg, f"{arch}-{layers}", "test")
+
+
+def test_fetch_counts_are_deepspeeds():
+    checked = 0
+    for run in _runs():
+        for r in run["runs"]:
+            if r["stage"] != 3:
+                continue
+            units = zero_layout(_tiny(r["arch"], r["layers"]), 1, ZeroConfig(stage=3)).units
+            planned = stage3_fetches(tuple(units), r["checkpointing"])
+            measured = {ph: r["fetches_per_step"][ph]["owning_params"] for ph in ("forward", "backward")}
+            assert planned == measured, (r["arch"], r["layers"], r["checkpointing"])
+            checked += 1
+    assert checked >= 16
+
+
+def test_time_per_fetch_is_the_measured_mean():
+    for ph in ("forward", "backward"):
+        per_fetch_ms = [run["per_fetch"][cfg][ph]["ms_per_fetch"] for run in _runs() for cfg in run["per_fetch"]]
+        assert len(per_fetch_ms) >= 8
+        assert STAGE3_FETCH_HOST_S[ph] * 1e3 == pytest.approx(statistics.mean(per_fetch_ms), abs=0.005)
+
+
+def test_a_phase_lasts_the_longer_of_gpu_and_host():
+    assert host_bound_s({"forward": 0.3, "backward": 0.2}, {"forward": 0.1, "backward": 0.5}) == pytest.approx(0.2)
+    assert host_bound_s({"forward": 0.1}, {"forward": 0.1}) == 0.0
+    assert host_bound_s({}, {"forward": 1.0}) == 0.0
+
+
+def _plan(model: str, *, stage: int, gpus: int, micro_batch: int, seq: int, grad_accum: int = 1,
+          checkpointing: str = "none"):
+    tr = TrainingSetup(precision=get_precision("bf16"), micro_batch=micro_batch, seq_len=seq, grad_accum=grad_accum,
+                       checkpointing=checkpointing)
+    return evaluate(model=load_model(model), training=tr, zero=ZeroConfig(stage=stage), n_gpus=gpus,
+                    hardware=load_profile("dgx-h100"))
+
+
+def test_a_small_model_on_h100_waits_for_the_host():
+    t = _plan("phi-2", stage=3, gpus=8, micro_batch=1, seq=2048).time
+    n = stage3_fetches(tuple(zero_layout(load_model("phi-2"), 8, ZeroConfig(stage=3)).units), False)
+    assert t.host_time_s == pytest.approx(sum(n[ph] * STAGE3_FETCH_HOST_S[ph] for ph in n))
+    assert t.host_bound_s > 0
+    assert t.step_time_best_s <= t.step_time_s <= t.step_time_worst_s
+    assert any(a.startswith("host-bound: DeepSpeed's stage-3 module hooks") for a in t.assumptions)
+    # four times the tokens per hook: the GPU's work outgrows the host's
+    assert _plan("phi-2", stage=3, gpus=8, micro_batch=4, seq=2048).time.host_bound_s < t.host_bound_s
+
+
+def test_large_work_per_module_hides_the_host():
+    t = _plan("llama-2-70b", stage=3, gpus=64, micro_batch=1, seq=4096, checkpointing="full").time
+    assert t.host_time_s > 0 and t.host_bound_s == 0.0
+    assert not any(a.startswith("host-bound") for a in t.assumptions)
+
+
+def test_only_stage_3_runs_module_hooks_and_each_micro_step_runs_them():
+    assert _plan("phi-2", stage=2, gpus=8, micro_batch=1, seq=2048).time.host_time_s == 0.0
+    one = _plan("phi-2", stage=3, gpus=8, micro_batch=1, seq=2048).time
+    two = _plan("phi-2", stage=3, gpus=8, micro_batch=1, seq=2048, grad_accum=2).time
+    assert two.host_time_s == pytest.approx(2 * one.host_time_s)
+    ckpt = _plan("phi-2", stage=3, gpus=8, micro_batch=1, seq=2048, checkpointing="full").time
+    assert ckpt.host_by_phase_s["backward"] > one.host_by_phase_s["backward"]
+    assert ckpt.host_by_phase_s["forward"] == pytest.approx(one.host_by_phase_s["forward"])

@@ -1,0 +1,63 @@
+"""Host time of DeepSpeed's stage-3 module hooks, and the part of it the GPU waits for.
+
+Under stage 3 every module call runs Python on the host before and after its kernels:
+DeepSpeed 0.19.8's ``parameter_offload.py`` registers forward pre/post hooks and backward
+pre/post functions on every module (``_register_deepspeed_module``), and each of them drives the
+``PartitionedParameterCoordinator`` (``fetch_sub_module``: trace bookkeeping, the coalesced
+all-gather, the prefetch queue; ``release_sub_module``: the reuse-distance scan, partitioning).
+That work does not shrink with the tensors: for a small model or a short micro-step the GPU
+finishes a module's kernels before the host has issued the next ones, and waits.
+
+The count of fetches is DeepSpeed's own (core/stage3_fetch.py ``micro_step_events``: one per call of
+a module that owns parameters, the recomputed forward of full checkpointing included). The time per
+fetch was measured on DeepSpeed itself (examples/validation/stage3-host/: transformers Llama and
+GPT-2, stage 3 minus stage 0, per layer, divided by the fetches per layer; the per-fetch figure
+folds in the hooks of the layer's modules without parameters). It is a lower bound for a GPU node:
+it was measured on CPU, where DeepSpeed's stream and event calls are no-ops and no kernel is
+launched, and on a 2-core VM.
+
+A phase (forward, backward) then takes the longer of the GPU's time (compute + exposed
+communication) and the host's (``host_bound_s``: what the host adds beyond the GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+
+from zeroplan.core.stage3_fetch import FetchUnit, micro_step_events
+
+__all__ = ["STAGE3_FETCH_HOST_S", "STAGE3_FETCH_HOST_SOURCE", "stage3_fetches", "stage3_host_time_s",
+           "host_bound_s"]
+
+# Host seconds per fetch of a parameter-owning module, by phase (recomputed forwards count as
+# backward: they run inside it). The mean over transformers' Llama and GPT-2, with and without
+# checkpointing, of two runs of DeepSpeed 0.19.8 (examples/validation/stage3-host/run*.json,
+# `per_fetch`; tests/test_host_time.py recomputes it). The runs spread from 0.18 to 0.53 ms: GPT-2
+# has more modules without parameters per fetch, and the VM's speed varies.
+STAGE3_FETCH_HOST_S = {"forward": 3.23e-4, "backward": 2.72e-4}
+STAGE3_FETCH_HOST_SOURCE = (
+    "0.32 ms per forward and 0.27 ms per backward fetch of a module (0.18-0.53 over the runs), DeepSpeed 0.19.8 "
+    "measured on CPU (examples/validation/stage3-host/): a lower bound on a GPU node")
+
+
+@lru_cache(maxsize=64)
+def stage3_fetches(units: tuple[FetchUnit, ...], recompute_layers: bool) -> dict[str, int]:
+    """Fetches of parameter-owning modules per micro-step, by phase (the root has no parameters)."""
+    out = {"forward": 0, "backward": 0}
+    for kind, unit, phase, _recompute in micro_step_events(list(units), recompute_layers=recompute_layers):
+        if kind == "fetch" and unit >= 0:
+            out[phase] += 1
+    return out
+
+
+def stage3_host_time_s(units: list[FetchUnit], *, recompute_layers: bool, grad_accum: int) -> dict[str, float]:
+    """Host seconds per optimizer step that stage 3's hooks take, by phase."""
+    n = stage3_fetches(tuple(units), recompute_layers)
+    gas = max(1, grad_accum)
+    return {ph: n[ph] * STAGE3_FETCH_HOST_S[ph] * gas for ph in ("forward", "backward")}
+
+
+def host_bound_s(host_by_phase_s: Mapping[str, float], gpu_by_phase_s: Mapping[str, float]) -> float:
+    """Seconds the host adds beyond the GPU: a phase lasts max(GPU, host), summed over the phases."""
+    return sum(max(0.0, h - gpu_by_phase_s.get(ph, 0.0)) for ph, h in host_by_phase_s.items())

@@ -74,7 +74,9 @@ def explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int | 
                if t.gpu_optimizer_time_s else "")
             + ("; offload: PCIe copies {pcie}" if t.pcie_time_s else "")
             + (", CPU optimizer step {cpu_opt}" if t.cpu_optimizer_time_s else "")
-            + (", NVMe swap {nvme}" if t.nvme_time_s else "") + ".",
+            + (", NVMe swap {nvme}" if t.nvme_time_s else "")
+            + ("; host-bound: DeepSpeed's stage-3 module hooks take {host} on the host and the GPU waits {host_wait} "
+               "for them" if t.host_bound_s else "") + ".",
             hw=hw.name, s=_N(c.stage), sent=_B(p.comm.bytes_per_gpu_per_step),
             inter=_B(p.comm.inter_node_bytes_per_gpu_per_step),
             link=hw.inter_node.name if rec.cluster.nodes > 1 else hw.intra_node.name, comm=_S(t.comm_time_s),
@@ -83,7 +85,7 @@ def explain(rec: Recommendation, inp: Any, hw: Any, *, micro_batch_fixed: int | 
             share=_F(t.comm_share), step=_S(t.step_time_s), compute=_S(t.compute_time_s), mfu=_F(t.mfu),
             terms=_compute_terms(t), gpu_opt=_S(t.gpu_optimizer_time_s), opt_gb=_B(t.gpu_optimizer_bytes),
             pcie=_S(t.pcie_time_s or 0.0), cpu_opt=_S(t.cpu_optimizer_time_s or 0.0),
-            nvme=_S(t.nvme_time_s or 0.0)))
+            nvme=_S(t.nvme_time_s or 0.0), host=_S(t.host_time_s), host_wait=_S(t.host_bound_s)))
         _explain_kernels(rec, inp, ex)
         if c.stage == 3 and rec.cluster.nodes > 1 and is_ethernet(hw.inter_node):
             warn.append(reason(

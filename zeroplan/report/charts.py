@@ -59,6 +59,7 @@ TIME_PARTS: tuple[_Part, ...] = (
     _Part("pcie", "offload PCIe copies", "#4e79a7", "blue", "P"),
     _Part("cpu_optimizer", "CPU optimizer step", "#b07aa1", "magenta", "O"),
     _Part("nvme", "NVMe swap", "#9c755f", "bright_black", "N"),
+    _Part("host_wait", "GPU waiting for DeepSpeed's stage-3 hooks (host-bound)", "#ff9da7", "bright_red", "H"),
     _Part("worst_extra", "extra exposed comm if nothing overlaps", "#f28e2b", "yellow", "w"),
 )
 
@@ -264,10 +265,12 @@ def time_parts(t: Any) -> list[float]:
     exp = t.exposed_time_s
     est = float(exp.get("estimate", (exp["best"] + exp["worst"]) / 2))
     slow = float(getattr(t, "overlap_slowdown_s", 0.0))
+    host = float(getattr(t, "host_bound_s", 0.0))
+    worst_extra = (float(t.step_time_worst_s) - float(t.step_time_s) if host else float(exp["worst"]) - est - slow)
     return [float(t.compute_time_s) + slow, est, float(getattr(t, "gpu_optimizer_time_s", 0.0)),
             float(getattr(t, "pcie_time_s", 0.0)),
-            float(getattr(t, "cpu_optimizer_time_s", 0.0)), float(getattr(t, "nvme_time_s", 0.0)),
-            max(0.0, float(exp["worst"]) - est - slow)]
+            float(getattr(t, "cpu_optimizer_time_s", 0.0)), float(getattr(t, "nvme_time_s", 0.0)), host,
+            max(0.0, worst_extra)]
 
 
 def _time_values(p: Any) -> list[float] | None:

@@ -166,16 +166,11 @@ def render_estimate(con: Any, result: Any, ds_findings: list[Any] | None = None)
         row("comm time (serial)", lambda p: seconds(p.comm.time_s))
         row("exposed comm", lambda p: f"{seconds(p.time.exposed_time_s['estimate'])}\n"
             f"({seconds(p.time.exposed_time_s['best'])} – {seconds(p.time.exposed_time_s['worst'])})")
-        if any(p.time.overlap_slowdown_s for p in result.stages):
-            row("overlap slowdown", lambda p: seconds(p.time.overlap_slowdown_s))
-        if any(p.time.pcie_time_s for p in result.stages):
-            row("offload PCIe copies", lambda p: seconds(p.time.pcie_time_s))
-        if any(p.time.gpu_optimizer_time_s for p in result.stages):
-            row("GPU optimizer step", lambda p: seconds(p.time.gpu_optimizer_time_s))
-        if any(p.time.cpu_optimizer_time_s for p in result.stages):
-            row("CPU optimizer step", lambda p: seconds(p.time.cpu_optimizer_time_s))
-        if any(p.time.nvme_time_s for p in result.stages):
-            row("NVMe swap", lambda p: seconds(p.time.nvme_time_s))
+        for label, field in (("overlap slowdown", "overlap_slowdown_s"), ("offload PCIe copies", "pcie_time_s"),
+                             ("GPU optimizer step", "gpu_optimizer_time_s"), ("CPU optimizer step", "cpu_optimizer_time_s"),
+                             ("NVMe swap", "nvme_time_s"), ("GPU waits for host", "host_bound_s")):
+            if any(getattr(p.time, field) for p in result.stages):  # a row only where some stage has the term
+                row(label, lambda p, f=field: seconds(getattr(p.time, f)))
         row("step time", lambda p: seconds(p.step_time_s))
         row("comm share", lambda p: f"{p.time.comm_share:.0%}")
         if any(p.time.offload_share for p in result.stages):

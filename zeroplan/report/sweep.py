@@ -121,6 +121,7 @@ def _plan_summary(p: Plan) -> dict[str, Any]:
             "cpu_optimizer_s": t.cpu_optimizer_time_s,
             "gpu_optimizer_s": t.gpu_optimizer_time_s,
             "nvme_s": t.nvme_time_s,
+            "host_bound_s": t.host_bound_s,
             "parts": {part.key: v for part, v in zip(TIME_PARTS, time_parts(t))},  # seconds by TIME_PARTS key
             "step_time_s": t.step_time_s,
             "step_time_best_s": t.step_time_best_s,

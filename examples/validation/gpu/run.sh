@@ -19,6 +19,7 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/zp . || exit 1
 export PYTHONPATH=/tmp/zp:${PYTHONPATH:-}
+repo=$(pwd)
 cd /tmp  # python -m puts the working directory first on sys.path: run the installed copy, not the checkout
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
@@ -32,6 +33,9 @@ v7="--model llama-2-7b --gpus 8 --hardware hgx-h200"
 step 150 $zp validate --output "$out/llama-2-7b-forked" $v7 --checks multi-gpu,cpu-adam
 step 200 $zp validate --output "$out/llama-2-7b" $v7 --checks context,optimizer,activations,gemm,compute,engine,pcie
 step 150 $zp validate --output "$out/llama-2-7b-deepspeed" $v7 --checks deepspeed
+# DeepSpeed's stage-3 module hooks with CUDA's stream, event and launch calls real (core/host_time.py's
+# constants were measured on CPU, a lower bound): 16 short DeepSpeed runs on tiny models
+step 400 python3 "$repo/examples/validation/stage3-host/measure.py" --device cuda --output "$out/stage3-host-cuda.json"
 # the compute model at training shapes: isolated GEMMs, attention, the model's own step
 for shape in "llama-2-7b 1 2048" "llama-2-7b 4 4096" "llama-3-8b 2 4096" "llama-2-13b 1 4096" "gpt2 8 1024" \
              "llama-2-7b 1 8192" "llama-2-7b 16 512"; do

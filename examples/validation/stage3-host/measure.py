@@ -11,7 +11,8 @@ that own parameters (counted here by wrapping ``fetch_sub_module``), is the host
     python examples/validation/stage3-host/measure.py --output examples/validation/stage3-host/run2.json
 
 Each configuration runs in a fresh process (DeepSpeed keeps global state); medians of 15 steps
-after 4 warm-up steps. Needs torch, transformers and deepspeed (CPU build).
+after 4 warm-up steps. Needs torch, transformers and deepspeed. ``--device cuda`` measures the same
+on one GPU (examples/validation/gpu/run.sh runs it), where DeepSpeed's CUDA calls are real.
 """
 
 from __future__ import annotations
@@ -56,52 +57,58 @@ def _count_fetches() -> None:
     Coord.fetch_sub_module = wrapped
 
 
-def run_one(stage: int, arch: str, layers: int, ckpt: bool) -> dict:
-    """One configuration in this process: per-phase medians in ms, and fetches per step."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+def run_one(stage: int, arch: str, layers: int, ckpt: bool, device: str = "cpu") -> dict:
+    """One configuration in this process: per-phase medians in ms, and fetches per step. ``device``
+    cuda: DeepSpeed's CUDA accelerator over NCCL, the model on the GPU, the device synchronised
+    before every clock reading (so a phase ends when its kernels do)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", DS_ACCELERATOR=device)
     os.environ.setdefault("MASTER_PORT", "29631")
     import deepspeed
     import torch
 
     torch.set_num_threads(1)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if stage == 3:
         _count_fetches()
     ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
-    deepspeed.init_distributed(dist_backend="gloo")
-    model = _model(arch, layers)
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    model = _model(arch, layers).to(device)
     if ckpt:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     model.train()
     eng, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
-    ids = torch.randint(0, 64, (1, 8))
+    ids = torch.randint(0, 64, (1, 8), device=device)
     fwd, bwd = [], []
     for i in range(WARMUP + STEPS):
         if i == WARMUP:
             for v in COUNTS.values():
                 v[:] = [0, 0]
         PHASE[0] = "forward"
+        sync()
         t0 = time.perf_counter()
         loss = eng(input_ids=ids, labels=ids).loss
+        sync()
         t1 = time.perf_counter()
         PHASE[0] = "backward"
         eng.backward(loss)
+        sync()
         t2 = time.perf_counter()
         PHASE[0] = "step"
         eng.step()
         if i >= WARMUP:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
-    return {"stage": stage, "arch": arch, "layers": layers, "checkpointing": ckpt,
+    return {"stage": stage, "arch": arch, "layers": layers, "checkpointing": ckpt, "device": device,
             "forward_ms": round(1e3 * statistics.median(fwd), 4), "backward_ms": round(1e3 * statistics.median(bwd), 4),
             "fetches_per_step": None if stage != 3 else
             {k: {"owning_params": v[0] // STEPS, "without_params": v[1] // STEPS} for k, v in COUNTS.items()}}
 
 
-def _launch(stage: int, arch: str, layers: int, ckpt: bool, port: int) -> dict:
+def _launch(stage: int, arch: str, layers: int, ckpt: bool, port: int, device: str) -> dict:
     env = dict(os.environ, MASTER_PORT=str(port))
-    out = subprocess.run([sys.executable, __file__, "--one", str(stage), arch, str(layers), str(int(ckpt))],
+    out = subprocess.run([sys.executable, __file__, "--one", str(stage), arch, str(layers), str(int(ckpt)), device],
                          env=env, capture_output=True, text=True, timeout=600, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -127,6 +134,8 @@ def _per_fetch(runs: list[dict], arch: str, ckpt: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output", required=True)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: on one GPU over NCCL, where DeepSpeed's stream, event and launch calls are real")
     args = ap.parse_args()
     import deepspeed
     import torch
@@ -139,13 +148,14 @@ def main() -> None:
             for stage in (0, 3):
                 for layers in LAYERS:
                     port += 1
-                    runs.append(_launch(stage, arch, layers, ckpt, port))
+                    runs.append(_launch(stage, arch, layers, ckpt, port, args.device))
                     print(json.dumps(runs[-1]), file=sys.stderr)
     derived = {f"{arch}{'-checkpointed' if ck else ''}": _per_fetch(runs, arch, ck)
                for arch in ("llama", "gpt2") for ck in (False, True)}
     env = {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
            "transformers": transformers.__version__, "machine": platform.machine(), "processor": _cpu_name(),
-           "cores": os.cpu_count()}
+           "cores": os.cpu_count(), "device": args.device,
+           "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None}
     result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "environment": env,
               "steps": {"warmup": WARMUP, "measured": STEPS, "statistic": "median"}, "runs": runs, "per_fetch": derived}
     tmp = args.output + ".tmp"
@@ -168,9 +178,9 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--one":
+    if len(sys.argv) == 7 and sys.argv[1] == "--one":
         # GPT-2's Conv1D under deepspeed.zero.Init fails with transformers 5 (a Tensor.__new__ signature check),
         # so the model is built outside it; deepspeed.initialize partitions it then.
-        print(json.dumps(run_one(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1")))
+        print(json.dumps(run_one(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6])))
     else:
         main()

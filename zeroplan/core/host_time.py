@@ -17,7 +17,8 @@ it was measured on CPU, where DeepSpeed's stream and event calls are no-ops and 
 launched, and on a 2-core VM.
 
 A phase (forward, backward) then takes the longer of the GPU's time (compute + exposed
-communication) and the host's (``host_bound_s``: what the host adds beyond the GPU).
+communication + the overlap slowdown) and the host's (``host_bound_s``: what the host adds beyond
+the GPU). A count-only spec (``--model 7B``) has no modules to count and gets no host time.
 """
 
 from __future__ import annotations

@@ -103,3 +103,30 @@ def test_only_stage_3_runs_module_hooks_and_each_micro_step_runs_them():
     ckpt = _plan("phi-2", stage=3, gpus=8, micro_batch=1, seq=2048, checkpointing="full").time
     assert ckpt.host_by_phase_s["backward"] > one.host_by_phase_s["backward"]
     assert ckpt.host_by_phase_s["forward"] == pytest.approx(one.host_by_phase_s["forward"])
+
+
+def test_check_warns_when_the_gpu_waits_for_the_hooks(tmp_path):
+    """ZP303, with twice the micro-batch evaluated; not raised where the hooks hide (70B over 32 GPUs at
+    4 × 4096 tokens with full checkpointing, which fits)."""
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    cfg = tmp_path / "z3.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                               "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}))
+
+    def findings(*args: str) -> dict:
+        r = CliRunner().invoke(app, ["check", str(cfg), "--hardware", "dgx-h100", *args, "--format", "json"])
+        assert r.exit_code in (0, 1), r.output
+        return {f["rule_id"]: f for f in json.loads(r.stdout)["files"][0]["findings"]}
+
+    small = findings("--model", "phi-2", "--gpus", "8")
+    zp = small["ZP303"]
+    assert zp["severity"] == "warning" and zp["key"] == "train_micro_batch_size_per_gpu"
+    assert "stage-3 module hooks" in zp["message"] and "micro-batch 2" in zp["message"]
+    (alt,) = zp["alternatives"]
+    assert alt["change"] == {"micro_batch": 2} and alt["after"] > alt["before"]
+    big = findings("--model", "llama-2-70b", "--gpus", "32", "--seq-len", "4096", "--micro-batch", "1",
+                   "--checkpointing", "full")
+    assert "ZP101" not in big and "ZP303" not in big

@@ -5,7 +5,7 @@
 - communication (``comm_rules``): ZP201 exposed share, ZP202 ZeRO-3 over Ethernet, ZP203
   latency-bound gradient buckets, ZP205 stage 3 all-reducing its gradient buckets;
 - stage choice (``stage_rules``): ZP204 stage 2 with large accumulation, ZP301 stage 3 where a
-  lower stage fits, ZP302 offload where it is not needed.
+  lower stage fits, ZP302 offload where it is not needed, ZP303 stage 3 waiting for its host hooks.
 
 Each rule reports through ``add(rule, severity, reason, key, value, alternatives=...)``; every
 suggested change is evaluated (``AdviceContext.try_change``) before it is claimed.
@@ -39,6 +39,7 @@ CHECK_RULES: dict[str, tuple[str, str]] = {
     "ZP205": ("warning", "stage-3 gradients reduce-scattered, not all-reduced"),
     "ZP301": ("info", "stage 3 only where needed"),
     "ZP302": ("warning", "offload only where needed"),
+    "ZP303": ("warning", "stage-3 step not host-bound"),
 }
 
 PREFETCH_SMALL = 10_000_000  # stage3_prefetch_bucket_size tried for ZP102, elements (as recommend's search)
@@ -217,6 +218,8 @@ def stage_rules(ctx: AdviceContext, plan: Plan, add: Add) -> None:
                     s=_N(s), peak=_B(p.memory.peak), cap=_B(gpu_mem), after=_T(a.after), before=_T(a.before),
                     noise=_F(MEANINGFUL), gather=_B(plan.comm.bytes_per_gpu_per_step_by_op.get("all_gather", 0))),
                     f"{z}.stage", stage, alternatives=[a])
+    if stage == 3:
+        _host_bound(ctx, plan, add)
     if plan.offload_optimizer != "none" or plan.offload_param != "none":
         a = ctx.try_change({"offload_optimizer": "none", "offload_param": "none"}, "tokens_per_s", "not_lower")
         if a.holds:
@@ -229,3 +232,20 @@ def stage_rules(ctx: AdviceContext, plan: Plan, add: Add) -> None:
                 f"{z}.offload_optimizer" if plan.offload_optimizer != "none" else f"{z}.offload_param",
                 alternatives=[a])
 
+
+
+def _host_bound(ctx: AdviceContext, plan: Plan, add: Add) -> None:
+    """ZP303: the GPU waits at least ``MEANINGFUL`` of the step for DeepSpeed's stage-3 module hooks on
+    the host (core/host_time.py), with twice the micro-batch evaluated as the remedy."""
+    t = plan.time
+    if t is None or t.host_bound_s < MEANINGFUL * t.step_time_s:
+        return
+    mb = ctx.training.micro_batch
+    a = ctx.try_change({"micro_batch": 2 * mb}, "tokens_per_s", "higher")
+    r = reason("the GPU waits {wait} of the {step} step for DeepSpeed's stage-3 module hooks, which take {host} per "
+               "step on the host (measured on CPU: a lower bound); micro-batch {mb2} " +
+               ("reaches {after} vs {before} (peak {peak}, fits)" if a.holds else
+                "gives {after} vs {before}" + ("" if a.fits else " and does not fit (peak {peak})")),
+               wait=_S(t.host_bound_s), step=_S(t.step_time_s), host=_S(t.host_time_s), mb2=_N(2 * mb),
+               after=_T(a.after), before=_T(a.before), peak=_B(a.after_peak_bytes))
+    add("ZP303", "warning", r, "train_micro_batch_size_per_gpu", mb, alternatives=[a])

@@ -130,3 +130,39 @@ def test_check_warns_when_the_gpu_waits_for_the_hooks(tmp_path):
     big = findings("--model", "llama-2-70b", "--gpus", "32", "--seq-len", "4096", "--micro-batch", "1",
                    "--checkpointing", "full")
     assert "ZP101" not in big and "ZP303" not in big
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_lora_fetch_counts_are_deepspeeds_live(ckpt):
+    """PEFT LoRA (r=4 on q_proj, v_proj) on the tiny Llama, run by DeepSpeed now (measure.py's harness,
+    counts only). Without checkpointing the frozen embedding and the first layer's frozen modules are
+    not fetched in backward (24 of 29); with it transformers' enable_input_require_grads makes every
+    output need a gradient (55 = 29 + the recomputation's 26)."""
+    import subprocess
+    import sys
+
+    from zeroplan.bench import deepspeed_engine as dse
+    from zeroplan.core.finetune import backward_skips, finetune_views
+    from zeroplan.specs.finetune import FineTune, LoraSpec
+
+    if not dse.deepspeed_available():
+        pytest.skip("DeepSpeed is not installed")
+    pytest.importorskip("peft")
+    import os
+    import socket
+
+    with socket.socket() as sock:  # a free port: other DeepSpeed tests may run beside this one
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = subprocess.run([sys.executable, str(DATA / "measure.py"), "--one", "3", "llama-lora", "2", str(int(ckpt)),
+                          "cpu"], capture_output=True, text=True, timeout=300, check=True,
+                         env=dict(os.environ, MASTER_PORT=str(port)))
+    measured = json.loads(out.stdout.strip().splitlines()[-1])["fetches_per_step"]
+    views = finetune_views(_tiny("llama", 2), FineTune(method="lora", lora=LoraSpec(r=4, targets=("q_proj", "v_proj"))),
+                           2)
+    units = zero_layout(views.full, 1, ZeroConfig(stage=3)).units
+    planned = stage3_fetches(tuple(units), ckpt, backward_skips(views, "full" if ckpt else "none"))
+    assert planned == {ph: measured[ph]["owning_params"] for ph in ("forward", "backward")}
+    assert planned["backward"] == (55 if ckpt else 24)

@@ -23,7 +23,7 @@ from zeroplan.core.backward_moments import activation_at
 from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
 from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.layout import build_layout
-from zeroplan.core.finetune import ledger_layouts
+from zeroplan.core.finetune import backward_skips, ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.core.memory import memory_for_stage, step_reads_autograd
 from zeroplan.core.optimizer_step import optimizer_traffic
@@ -197,7 +197,7 @@ class _Family:
             training = self.sw.inp.training.model_copy(update={"checkpointing": "full" if recompute else "none"})
             led = build_ledger(lay, training, zero, gpus_per_node=self.sw.gpn,
                                comm_model=self.sw.comm_model, train_layout=train,
-                               no_backward=ft.no_backward if ft is not None else frozenset())  # as core/plan.py
+                               no_backward=backward_skips(ft, training.checkpointing))  # as core/plan.py
             calls = Counter()
             proto = {}
             for e in led.collectives:

@@ -37,7 +37,7 @@ from zeroplan.core.layout import Layout
 from zeroplan.specs.finetune import FineTune, FineTuneInventory, finetune_inventory
 from zeroplan.specs.model import ModelSpec
 
-__all__ = ["FineTuneViews", "finetune_views", "ledger_layouts"]
+__all__ = ["FineTuneViews", "finetune_views", "ledger_layouts", "backward_skips"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,19 @@ def no_backward_modules(spec: ModelSpec, trained: set[str], adapted: set[str] = 
     if tied:
         result -= {m for m, (role, _) in mods.items() if role == "embed"}
     return frozenset(result)
+
+
+def backward_skips(finetune: FineTuneViews | None, checkpointing: str) -> frozenset[str]:
+    """The modules stage 3 never re-gathers in backward (``FineTuneViews.no_backward``), none under full
+    checkpointing: transformers' ``gradient_checkpointing_enable`` (5.x ``modeling_utils.py``) calls
+    ``enable_input_require_grads`` on every model whose main input is ``input_ids``, a forward hook that
+    makes the input embedding's output require a gradient, so every module's output then needs one
+    (PEFT's ``prepare_model_for_kbit_training`` and ``PeftModel`` do the same). Measured: DeepSpeed
+    0.19.8 on a PEFT-LoRA Llama fetches the embedding and the first layer's frozen modules in backward
+    with checkpointing on, not without (tests/test_host_time.py)."""
+    if finetune is None or checkpointing == "full":
+        return frozenset()
+    return finetune.no_backward
 
 
 def ledger_layouts(layout: Layout, train_layout: Layout | None, stage: int) -> tuple[Layout, Layout | None]:

@@ -24,6 +24,7 @@ the GPU). A count-only spec (``--model 7B``) has no modules to count and gets no
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from functools import lru_cache
 
 from zeroplan.core.stage3_fetch import FetchUnit, micro_step_events
@@ -43,8 +44,12 @@ STAGE3_FETCH_HOST_SOURCE = (
 
 
 @lru_cache(maxsize=64)
-def stage3_fetches(units: tuple[FetchUnit, ...], recompute_layers: bool) -> dict[str, int]:
-    """Fetches of parameter-owning modules per micro-step, by phase (the root has no parameters)."""
+def stage3_fetches(units: tuple[FetchUnit, ...], recompute_layers: bool,
+                   no_backward: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Fetches of parameter-owning modules per micro-step, by phase (the root has no parameters).
+    ``no_backward``: modules whose output needs no gradient (core/finetune.py ``backward_skips``)."""
+    if no_backward:
+        units = tuple(replace(u, backward=u.name not in no_backward) for u in units)
     out = {"forward": 0, "backward": 0}
     for kind, unit, phase, _recompute in micro_step_events(list(units), recompute_layers=recompute_layers):
         if kind == "fetch" and unit >= 0:
@@ -52,9 +57,10 @@ def stage3_fetches(units: tuple[FetchUnit, ...], recompute_layers: bool) -> dict
     return out
 
 
-def stage3_host_time_s(units: list[FetchUnit], *, recompute_layers: bool, grad_accum: int) -> dict[str, float]:
+def stage3_host_time_s(units: list[FetchUnit], *, recompute_layers: bool, grad_accum: int,
+                       no_backward: frozenset[str] = frozenset()) -> dict[str, float]:
     """Host seconds per optimizer step that stage 3's hooks take, by phase."""
-    n = stage3_fetches(tuple(units), recompute_layers)
+    n = stage3_fetches(tuple(units), recompute_layers, no_backward)
     gas = max(1, grad_accum)
     return {ph: n[ph] * STAGE3_FETCH_HOST_S[ph] * gas for ph in ("forward", "backward")}
 

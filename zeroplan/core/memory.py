@@ -33,7 +33,7 @@ from zeroplan.core.activations import ActivationBreakdown, activation_memory
 from zeroplan.core.allocator import (STAGE3_CACHE_NOTE, communicators, release_under_pressure, required_bytes,
                                      reserved_bytes)
 from zeroplan.core.backward_moments import BackwardMoment, activation_at, backward_moments, set_backward_side
-from zeroplan.core.finetune import FineTuneViews
+from zeroplan.core.finetune import FineTuneViews, backward_skips
 from zeroplan.core.host_memory import HostMemory, host_memory
 from zeroplan.core.layout import Layout, zero_layout
 from zeroplan.core.memory_buffers import PHASES, GatherPeak, PhaseBuffers, phase_buffers
@@ -151,7 +151,7 @@ def _gathered(layout: Layout, tl: Layout, zero: ZeroConfig, training: TrainingSe
     flavour; the paper's keeps its stacked buffers)."""
     if int(zero.stage) != 3 or flavour == "paper":
         return None
-    return backward_gathered(layout, tl, finetune.no_backward if finetune is not None else frozenset(),
+    return backward_gathered(layout, tl, backward_skips(finetune, training.checkpointing),
                              max_live=zero.max_live_parameters, prefetch_bucket=zero.prefetch_bucket_size,
                              max_reuse=zero.max_reuse_distance, grad_accum=training.grad_accum,
                              recompute_layers=training.checkpointing == "full")

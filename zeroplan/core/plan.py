@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from zeroplan.core.comm import CommLedger, LedgerEntry, PcieTransfer, build_ledger
 from zeroplan.core.cublas_workspace import device_overhead
-from zeroplan.core.finetune import FineTuneViews, ledger_layouts
+from zeroplan.core.finetune import FineTuneViews, backward_skips, ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.specs.finetune import FineTuneInventory
 from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for, difference_from_peak
@@ -94,7 +94,7 @@ def evaluate(
     led_layout, led_train = ledger_layouts(layout, train_layout, stage)
     ledger: CommLedger = build_ledger(led_layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model,
                                       train_layout=led_train,
-                                      no_backward=finetune.no_backward if finetune is not None else frozenset())
+                                      no_backward=backward_skips(finetune, training.checkpointing))
     off_opt = zero.optimizer_offload_device
     off_par = zero.param_offload_device
     comm = CommResult(
@@ -128,7 +128,8 @@ def evaluate(
             plan.notes.append("NVMe offload exceeds the node's NVMe capacity")
         units = layout.units if stage == 3 else []
         host_s = stage3_host_time_s(units, recompute_layers=training.checkpointing == "full",
-                                    grad_accum=training.grad_accum) if units else None
+                                    grad_accum=training.grad_accum,
+                                    no_backward=backward_skips(finetune, training.checkpointing)) if units else None
         t = estimate_time(ledger, training, hardware, active_params=model.active_params, n_gpus=n_gpus,
                           gpus_per_node=gpus_per_node, mfu=mfu, model=model, work=matmul_work(model, finetune),
                           host_by_phase_s=host_s)

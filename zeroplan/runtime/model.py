@@ -172,6 +172,10 @@ def param_units(model: Any) -> list[tuple[str, Any, list[tuple[str, Any]]]]:
     return units
 
 
+def _output_requires_grad(module: Any, inputs: Any, output: Any) -> None:
+    output.requires_grad_(True)
+
+
 def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed: int = 0,
                 check_count: bool = True, checkpointing: str = "none") -> "ZeroModel":
     """A ``ZeroModel`` with parameters exactly ``spec.tensors`` (names, shapes, ties), on ``device``.
@@ -254,6 +258,11 @@ def build_model(spec: ModelSpec, dtype: Any = None, device: Any = "cpu", *, seed
     root.zero_order = order
     root.zero_params = [(n, p) for _, _, ps in root.zero_units for n, p in ps]
     _plan_forward(root, spec, order)
+    if checkpointing == "full" and "embed" in root.plan_pre:
+        # as transformers 5.x: gradient_checkpointing_enable calls enable_input_require_grads, a forward
+        # hook that makes the input embedding's output require a gradient, so under ZeRO-3 a frozen
+        # base (LoRA) is fetched in backward from the first module on; registered before any engine's hooks
+        root.plan_pre["embed"].register_forward_hook(_output_requires_grad)
     total = sum(p.numel() for p in root.parameters())
     if check_count and not spec.approximate and total != spec.params:
         raise ValueError(f"model {spec.name!r}: built {total} parameters, the spec says {spec.params}")

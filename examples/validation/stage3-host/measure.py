@@ -39,6 +39,10 @@ def _model(arch: str, layers: int):
         cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
                                        max_position_embeddings=64)
+    elif arch == "llama-lora":  # PEFT LoRA r=4 on q_proj and v_proj, the base frozen
+        import peft
+
+        return peft.get_peft_model(_model("llama", layers), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     else:
         cfg = transformers.GPT2Config(n_embd=16, n_layer=layers, n_head=2, vocab_size=64, n_positions=64)
     return transformers.AutoModelForCausalLM.from_config(cfg)
@@ -78,7 +82,8 @@ def run_one(stage: int, arch: str, layers: int, ckpt: bool, device: str = "cpu")
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     model.train()
-    eng, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    eng, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=trained)
     ids = torch.randint(0, 64, (1, 8), device=device)
     fwd, bwd = [], []
     for i in range(WARMUP + STEPS):

@@ -10,7 +10,11 @@ runs' measurements. Nothing here times anything.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,9 +144,6 @@ def test_lora_fetch_counts_are_deepspeeds_live(ckpt):
     counts only). Without checkpointing the frozen embedding and the first layer's frozen modules are
     not fetched in backward (24 of 29); with it transformers' enable_input_require_grads makes every
     output need a gradient (55 = 29 + the recomputation's 26)."""
-    import subprocess
-    import sys
-
     from zeroplan.bench import deepspeed_engine as dse
     from zeroplan.core.finetune import backward_skips, finetune_views
     from zeroplan.specs.finetune import FineTune, LoraSpec
@@ -150,9 +151,6 @@ def test_lora_fetch_counts_are_deepspeeds_live(ckpt):
     if not dse.deepspeed_available():
         pytest.skip("DeepSpeed is not installed")
     pytest.importorskip("peft")
-    import os
-    import socket
-
     with socket.socket() as sock:  # a free port: other DeepSpeed tests may run beside this one
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

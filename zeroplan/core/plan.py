@@ -20,6 +20,7 @@ from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for
 from zeroplan.core.host_time import stage3_host_time_s
 from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
+from zeroplan.core.moe_leaf import moe_leaf_note
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.findings import Finding
@@ -115,6 +116,9 @@ def evaluate(
         ),
         notes=list(mem.notes) + list(ledger.notes),
     )
+    leaf = moe_leaf_note(model, zero, training.precision.param_bytes)
+    if leaf is not None:
+        plan.notes.append(leaf)
     if plan.deepspeed_estimator is not None:
         plan.deepspeed_estimator.vs_peak = difference_from_peak(plan.deepspeed_estimator, mem)
     if hardware is not None:

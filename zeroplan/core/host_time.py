@@ -23,11 +23,12 @@ the GPU). A count-only spec (``--model 7B``) has no modules to count and gets no
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import lru_cache
 
 from zeroplan.core.stage3_fetch import FetchUnit, micro_step_events
+from zeroplan.core.stage3_live import ReplayInputs
 
 __all__ = ["STAGE3_FETCH_HOST_S", "STAGE3_FETCH_HOST_SOURCE", "stage3_fetches", "stage3_host_time_s",
            "host_bound_s"]
@@ -43,13 +44,12 @@ STAGE3_FETCH_HOST_SOURCE = (
     "measured on CPU (examples/validation/stage3-host/): a lower bound on a GPU node")
 
 
-@lru_cache(maxsize=64)
-def stage3_fetches(units: tuple[FetchUnit, ...], recompute_layers: bool,
+def stage3_fetches(units: Sequence[FetchUnit], recompute_layers: bool,
                    no_backward: frozenset[str] = frozenset()) -> dict[str, int]:
     """Fetches of parameter-owning modules per micro-step, by phase (the root has no parameters).
     ``no_backward``: modules whose output needs no gradient (core/finetune.py ``backward_skips``)."""
     if no_backward:
-        units = tuple(replace(u, backward=u.name not in no_backward) for u in units)
+        units = [replace(u, backward=u.name not in no_backward) for u in units]
     out = {"forward": 0, "backward": 0}
     for kind, unit, phase, _recompute in micro_step_events(list(units), recompute_layers=recompute_layers):
         if kind == "fetch" and unit >= 0:
@@ -57,12 +57,18 @@ def stage3_fetches(units: tuple[FetchUnit, ...], recompute_layers: bool,
     return out
 
 
-def stage3_host_time_s(units: list[FetchUnit], *, recompute_layers: bool, grad_accum: int,
-                       no_backward: frozenset[str] = frozenset()) -> dict[str, float]:
-    """Host seconds per optimizer step that stage 3's hooks take, by phase."""
-    n = stage3_fetches(tuple(units), recompute_layers, no_backward)
+@lru_cache(maxsize=256)  # keyed by the replay's interned inputs, as the gather replays are
+def _fetches(inputs: ReplayInputs, recompute_layers: bool) -> tuple[int, int]:
+    n = stage3_fetches(inputs[3], recompute_layers)
+    return n["forward"], n["backward"]
+
+
+def stage3_host_time_s(inputs: ReplayInputs, *, recompute_layers: bool, grad_accum: int) -> dict[str, float]:
+    """Host seconds per optimizer step that stage 3's hooks take, by phase. ``inputs``: the coordinator
+    replay's (core/stage3_live.py ``replay_inputs``: the fetch units with their backward flags)."""
+    fwd, bwd = _fetches(inputs, recompute_layers)
     gas = max(1, grad_accum)
-    return {ph: n[ph] * STAGE3_FETCH_HOST_S[ph] * gas for ph in ("forward", "backward")}
+    return {"forward": fwd * STAGE3_FETCH_HOST_S["forward"] * gas, "backward": bwd * STAGE3_FETCH_HOST_S["backward"] * gas}
 
 
 def host_bound_s(host_by_phase_s: Mapping[str, float], gpu_by_phase_s: Mapping[str, float]) -> float:

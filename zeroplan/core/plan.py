@@ -21,6 +21,7 @@ from zeroplan.core.host_time import stage3_host_time_s
 from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
 from zeroplan.core.moe_leaf import moe_leaf_note
+from zeroplan.core.stage3_live import replay_inputs
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
 from zeroplan.specs.findings import Finding
@@ -92,10 +93,11 @@ def evaluate(
     mem = memory_for_stage(model, training, zero, n_gpus, gpus_per_node=gpus_per_node, overhead=overhead, layout=layout,
                            flavour=comm_model, finetune=finetune, train_layout=train_layout,
                            gpu_memory_bytes=int(hardware.gpu.memory_bytes) if hardware is not None else None)
+    skips = backward_skips(finetune, training.checkpointing)  # modules stage 3 never fetches in backward
     led_layout, led_train = ledger_layouts(layout, train_layout, stage)
     ledger: CommLedger = build_ledger(led_layout, training, zero, gpus_per_node=gpus_per_node, comm_model=comm_model,
                                       train_layout=led_train,
-                                      no_backward=backward_skips(finetune, training.checkpointing))
+                                      no_backward=skips)
     off_opt = zero.optimizer_offload_device
     off_par = zero.param_offload_device
     comm = CommResult(
@@ -130,10 +132,11 @@ def evaluate(
         if mem.host.nvme_per_node_bytes and mem.host.nvme_per_node_bytes > hardware.node.nvme_capacity_bytes:
             plan.host_fits = False
             plan.notes.append("NVMe offload exceeds the node's NVMe capacity")
-        units = layout.units if stage == 3 else []
-        host_s = stage3_host_time_s(units, recompute_layers=training.checkpointing == "full",
-                                    grad_accum=training.grad_accum,
-                                    no_backward=backward_skips(finetune, training.checkpointing)) if units else None
+        host_s = None
+        if stage == 3 and layout.units:  # the replay's inputs, as the ledger's (one interned object)
+            inputs = replay_inputs(layout, train_layout or layout, skips)
+            host_s = stage3_host_time_s(inputs, recompute_layers=training.checkpointing == "full",
+                                        grad_accum=training.grad_accum)
         t = estimate_time(ledger, training, hardware, active_params=model.active_params, n_gpus=n_gpus,
                           gpus_per_node=gpus_per_node, mfu=mfu, model=model, work=matmul_work(model, finetune),
                           host_by_phase_s=host_s)

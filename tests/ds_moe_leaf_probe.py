@@ -1,6 +1,7 @@
 """Run by tests/test_moe_leaf.py in a fresh process: transformers' tiny Mixtral under DeepSpeed ZeRO-3
 (world size 1, CPU/gloo), and the modules DeepSpeed fetches in one forward, printed as JSON lines of
-[module name, elements of all its parameters (children included)]. ``argv[1]``: a JSON
+[configuration index, module name, elements of all its parameters (children included)]. Each argument
+is a configuration, run one after the other in this process (one DeepSpeed start-up for all): a JSON
 ``zero_optimization.leaf_module`` block, or "default"."""
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator  # noqa: E402
 
-FETCHED: list[tuple[str, int]] = []
-RECORD = [False]
+FETCHED: list[tuple[int, str, int]] = []
+RECORD: list[int | None] = [None]  # the configuration being recorded
 NAMES: dict[int, str] = {}
 _inner = PartitionedParameterCoordinator.fetch_sub_module
 
 
 def _fetch(self, module, *args, **kwargs):
-    if RECORD[0]:
-        FETCHED.append((NAMES.get(id(module), "?"), sum(p.ds_numel for p in module.parameters(recurse=True))))
+    if RECORD[0] is not None:
+        FETCHED.append((RECORD[0], NAMES.get(id(module), "?"), sum(p.ds_numel for p in module.parameters(recurse=True))))
     return _inner(self, module, *args, **kwargs)
 
 
@@ -32,22 +33,23 @@ PartitionedParameterCoordinator.fetch_sub_module = _fetch
 cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  num_key_value_heads=1, vocab_size=64, max_position_embeddings=64,
                                  num_local_experts=4, num_experts_per_tok=2)
-zero: dict = {"stage": 3}
-if sys.argv[1] != "default":
-    zero["leaf_module"] = json.loads(sys.argv[1])
-ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero,
-      "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
 deepspeed.init_distributed(dist_backend="gloo")
-model = transformers.AutoModelForCausalLM.from_config(cfg)  # zero.Init fails on transformers 5 (Tensor.__new__)
-model.train()
-NAMES.update({id(m): n for n, m in model.named_modules()})
-engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
 ids = torch.randint(0, 64, (1, 8))
-for i in range(2):
-    RECORD[0] = i == 1
-    loss = engine(input_ids=ids, labels=ids).loss
-    RECORD[0] = False
-    engine.backward(loss)
-    engine.step()
-for name, numel in FETCHED:
-    print(json.dumps([name, numel]))
+for index, leaf in enumerate(sys.argv[1:]):
+    zero: dict = {"stage": 3}
+    if leaf != "default":
+        zero["leaf_module"] = json.loads(leaf)
+    ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": zero,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    model = transformers.AutoModelForCausalLM.from_config(cfg)  # zero.Init fails on transformers 5 (Tensor.__new__)
+    model.train()
+    NAMES.update({id(m): n for n, m in model.named_modules()})
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    for i in range(2):
+        RECORD[0] = index if i == 1 else None
+        loss = engine(input_ids=ids, labels=ids).loss
+        RECORD[0] = None
+        engine.backward(loss)
+        engine.step()
+for index, name, numel in FETCHED:
+    print(json.dumps([index, name, numel]))

@@ -9,6 +9,7 @@ runs' measurements. Nothing here times anything.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -136,6 +137,25 @@ def test_check_warns_when_the_gpu_waits_for_the_hooks(tmp_path):
     assert "ZP101" not in big and "ZP303" not in big
 
 
+@functools.lru_cache(maxsize=1)
+def _live_lora_counts() -> dict[bool, dict]:
+    """DeepSpeed's fetch counts for the PEFT LoRA tiny Llama without and with checkpointing: one process,
+    both configurations (measure.py --one takes several), shared by the two cases below."""
+    from zeroplan.bench import deepspeed_engine as dse
+
+    if not dse.deepspeed_available():
+        pytest.skip("DeepSpeed is not installed")
+    pytest.importorskip("peft")
+    with socket.socket() as sock:  # a free port: other DeepSpeed tests may run beside this one
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [a for ck in (False, True) for a in ("3", "llama-lora", "2", str(int(ck)), "cpu")]
+    out = subprocess.run([sys.executable, str(DATA / "measure.py"), "--one", *args], capture_output=True, text=True,
+                         timeout=300, check=True, env=dict(os.environ, MASTER_PORT=str(port)))
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"stage"')]
+    return {r["checkpointing"]: r["fetches_per_step"] for r in rows}
+
+
 @pytest.mark.slow
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("ckpt", [False, True])
@@ -144,20 +164,10 @@ def test_lora_fetch_counts_are_deepspeeds_live(ckpt):
     counts only). Without checkpointing the frozen embedding and the first layer's frozen modules are
     not fetched in backward (24 of 29); with it transformers' enable_input_require_grads makes every
     output need a gradient (55 = 29 + the recomputation's 26)."""
-    from zeroplan.bench import deepspeed_engine as dse
     from zeroplan.core.finetune import backward_skips, finetune_views
     from zeroplan.specs.finetune import FineTune, LoraSpec
 
-    if not dse.deepspeed_available():
-        pytest.skip("DeepSpeed is not installed")
-    pytest.importorskip("peft")
-    with socket.socket() as sock:  # a free port: other DeepSpeed tests may run beside this one
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    out = subprocess.run([sys.executable, str(DATA / "measure.py"), "--one", "3", "llama-lora", "2", str(int(ckpt)),
-                          "cpu"], capture_output=True, text=True, timeout=300, check=True,
-                         env=dict(os.environ, MASTER_PORT=str(port)))
-    measured = json.loads(out.stdout.strip().splitlines()[-1])["fetches_per_step"]
+    measured = _live_lora_counts()[ckpt]
     views = finetune_views(_tiny("llama", 2), FineTune(method="lora", lora=LoraSpec(r=4, targets=("q_proj", "v_proj"))),
                            2)
     units = zero_layout(views.full, 1, ZeroConfig(stage=3)).units

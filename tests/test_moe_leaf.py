@@ -23,7 +23,8 @@ TINY = {"model_type": "mixtral", "hidden_size": 16, "intermediate_size": 32, "nu
         "num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False}
 
 
-def _fetched(leaf: str) -> list[tuple[str, int]]:
+def _fetched(*leaf: str) -> list[list[tuple[str, int]]]:
+    """Per configuration (a leaf_module JSON block or "default"), the modules fetched in one forward."""
     from zeroplan.bench import deepspeed_engine as dse
 
     if not dse.deepspeed_available():
@@ -31,9 +32,14 @@ def _fetched(leaf: str) -> list[tuple[str, int]]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    out = subprocess.run([sys.executable, str(PROBE), leaf], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, str(PROBE), *leaf], capture_output=True, text=True, timeout=300,
                          check=True, env=dict(os.environ, MASTER_PORT=str(port)))
-    return [tuple(json.loads(line)) for line in out.stdout.splitlines() if line.startswith('["')]
+    runs: list[list[tuple[str, int]]] = [[] for _ in leaf]
+    for line in out.stdout.splitlines():
+        if line.startswith("[") and not line.startswith("[2"):  # not DeepSpeed's dated log lines
+            index, name, numel = json.loads(line)
+            runs[index].append((name, numel))
+    return runs
 
 
 @pytest.mark.slow
@@ -42,10 +48,10 @@ def test_deepspeed_gathers_the_moe_block_whole():
     spec = spec_from_config(TINY, "mixtral-tiny", "test")
     whole, largest = moe_leaf_block(spec, ZeroConfig(stage=3))
     assert (whole, largest) == (64 + 4 * 3 * 16 * 32, 16 * 32)  # router + 4 experts of 3 matrices
-    by_default = _fetched("default")
+    by_default, no_leaf_run = _fetched("default", json.dumps({"classes": []}))
     assert ("model.layers.0.mlp", whole) in by_default
     assert not [n for n, _ in by_default if n.startswith("model.layers.0.mlp.")]  # a leaf: no child is fetched
-    no_leaf = dict(_fetched(json.dumps({"classes": []})))
+    no_leaf = dict(no_leaf_run)
     assert no_leaf["model.layers.0.mlp.experts"] == whole - 64  # every expert in one fused module
     assert no_leaf["model.layers.0.mlp.gate"] == 64
 

@@ -52,12 +52,15 @@ def _count_fetches() -> None:
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coord
 
     inner = Coord.fetch_sub_module
+    if getattr(inner, "counting", False):  # a second configuration in the same process
+        return
 
     def wrapped(self, current_submodule, *a, **k):
         owns = any(True for _ in current_submodule.parameters(recurse=False))
         COUNTS[PHASE[0]][0 if owns else 1] += 1
         return inner(self, current_submodule, *a, **k)
 
+    wrapped.counting = True  # type: ignore[attr-defined]
     Coord.fetch_sub_module = wrapped
 
 
@@ -183,9 +186,13 @@ def _cpu_name() -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--one":
+    if len(sys.argv) >= 7 and sys.argv[1] == "--one" and (len(sys.argv) - 2) % 5 == 0:
         # GPT-2's Conv1D under deepspeed.zero.Init fails with transformers 5 (a Tensor.__new__ signature check),
-        # so the model is built outside it; deepspeed.initialize partitions it then.
-        print(json.dumps(run_one(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6])))
+        # so the model is built outside it; deepspeed.initialize partitions it then. Several configurations
+        # (STAGE ARCH LAYERS CKPT DEVICE each) run one after the other: the fetch counts do not depend on the
+        # process, the timings main() records come from one configuration per process.
+        for i in range(2, len(sys.argv), 5):
+            a = sys.argv[i:i + 5]
+            print(json.dumps(run_one(int(a[0]), a[1], int(a[2]), a[3] == "1", a[4])))
     else:
         main()

@@ -1,7 +1,9 @@
 """Run by tests/test_moe_leaf.py in a fresh process: transformers' tiny Mixtral under DeepSpeed ZeRO-3
-(world size 1, CPU/gloo), and the modules DeepSpeed fetches in one forward, printed as JSON lines of
-[configuration index, module name, elements of all its parameters (children included)]. Each argument
-is a configuration, run one after the other in this process (one DeepSpeed start-up for all): a JSON
+(world size 1, CPU/gloo), and the modules DeepSpeed fetches in one forward and backward, printed as lines
+"FETCH [configuration index, module name, elements it fetches, forward]": its own parameters, or all of them
+(children included) for a leaf module (``parameter_offload.py`` ``iter_params(recurse=z3_leaf_module)``),
+modules without parameters left out; then "ESTIMATOR [total, largest_layer_params]" as DeepSpeed's
+estimators count the model (``stage3.py`` ``model_to_params``). Each argument is a configuration, run one after the other in this process (one DeepSpeed start-up for all): a JSON
 ``zero_optimization.leaf_module`` block, or "default"."""
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator  # noqa: E402
+from deepspeed.utils import z3_leaf_module  # noqa: E402
 
-FETCHED: list[tuple[int, str, int]] = []
+FETCHED: list[tuple[int, str, int, bool]] = []
 RECORD: list[int | None] = [None]  # the configuration being recorded
 NAMES: dict[int, str] = {}
 _inner = PartitionedParameterCoordinator.fetch_sub_module
 
 
-def _fetch(self, module, *args, **kwargs):
-    if RECORD[0] is not None:
-        FETCHED.append((RECORD[0], NAMES.get(id(module), "?"), sum(p.ds_numel for p in module.parameters(recurse=True))))
-    return _inner(self, module, *args, **kwargs)
+def _fetch(self, module, forward, *args, **kwargs):
+    numel = sum(p.ds_numel for p in module.parameters(recurse=z3_leaf_module(module)))
+    if RECORD[0] is not None and numel:
+        FETCHED.append((RECORD[0], NAMES.get(id(module), "?"), numel, bool(forward)))
+    return _inner(self, module, forward, *args, **kwargs)
 
 
 PartitionedParameterCoordinator.fetch_sub_module = _fetch
@@ -48,8 +52,12 @@ for index, leaf in enumerate(sys.argv[1:]):
     for i in range(2):
         RECORD[0] = index if i == 1 else None
         loss = engine(input_ids=ids, labels=ids).loss
-        RECORD[0] = None
         engine.backward(loss)
+        RECORD[0] = None
         engine.step()
-for index, name, numel in FETCHED:
-    print(json.dumps([index, name, numel]))
+from deepspeed.runtime.zero.stage3 import model_to_params  # noqa: E402
+
+# what DeepSpeed's estimators read of this model: (total parameters, largest_layer_params)
+print("ESTIMATOR", json.dumps(model_to_params(transformers.AutoModelForCausalLM.from_config(cfg))))
+for row in FETCHED:
+    print("FETCH", json.dumps(list(row)))

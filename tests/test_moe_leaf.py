@@ -1,6 +1,7 @@
-"""MoE blocks DeepSpeed gathers whole under ZeRO-3 with transformers 5 (core/moe_leaf.py): what DeepSpeed
-0.19.8 fetches in one forward of transformers' tiny Mixtral (tests/ds_moe_leaf_probe.py), and the
-plan's note that its per-expert gathers under-state that block. Counts only, no timing."""
+"""MoE blocks as DeepSpeed's ZeRO-3 fetches them with transformers 5 (core/moe_leaf.py): the stage-3 replay's
+fetch units against what DeepSpeed 0.19.8 fetches in one forward and backward of transformers' tiny Mixtral
+(tests/ds_moe_leaf_probe.py) and what its estimators read of that model, and the plan's note on the gradients
+still counted per tensor. Counts only."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from zeroplan.core.moe_leaf import moe_leaf_block, moe_leaf_note
+from zeroplan.core.layout import zero_layout
+from zeroplan.core.moe_leaf import largest_module_params, moe_fetch_groups, moe_leaf_block, moe_leaf_note
+from zeroplan.core.stage3_fetch import micro_step_events
 from zeroplan.specs.deepspeed_config import ZeroConfig
 from zeroplan.specs.model import load_model, spec_from_config
 
@@ -21,10 +24,17 @@ PROBE = Path(__file__).resolve().parent / "ds_moe_leaf_probe.py"
 TINY = {"model_type": "mixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 64,
         "num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False}
+EXPERTS = 4 * 3 * 16 * 32  # 4 experts of 3 matrices
+ROUTER = 4 * 16
+# zero_optimization.leaf_module blocks: DeepSpeed's default (the HF block class), none, the bare class name,
+# and the block by its transformers-5 name suffix
+LEAVES = {"default": "default", "none": {"classes": []}, "bare class": {"classes": ["MixtralSparseMoeBlock"]},
+          "suffix": {"classes": [], "name_suffixes": ["mlp"]}}
 
 
-def _fetched(*leaf: str) -> list[list[tuple[str, int]]]:
-    """Per configuration (a leaf_module JSON block or "default"), the modules fetched in one forward."""
+def _fetched(*leaf: str) -> tuple[list[list[tuple[str, int, bool]]], list[int]]:
+    """Per configuration (a leaf_module JSON block or "default"), the modules fetched in one micro-step:
+    (name, elements, forward); and DeepSpeed's estimators' (total, largest_layer_params) of the model."""
     from zeroplan.bench import deepspeed_engine as dse
 
     if not dse.deepspeed_available():
@@ -34,33 +44,65 @@ def _fetched(*leaf: str) -> list[list[tuple[str, int]]]:
         port = sock.getsockname()[1]
     out = subprocess.run([sys.executable, str(PROBE), *leaf], capture_output=True, text=True, timeout=300,
                          check=True, env=dict(os.environ, MASTER_PORT=str(port)))
-    runs: list[list[tuple[str, int]]] = [[] for _ in leaf]
+    runs: list[list[tuple[str, int, bool]]] = [[] for _ in leaf]
+    estimator: list[int] = []
     for line in out.stdout.splitlines():
-        if line.startswith("[") and not line.startswith("[2"):  # not DeepSpeed's dated log lines
-            index, name, numel = json.loads(line)
-            runs[index].append((name, numel))
-    return runs
+        if line.startswith("ESTIMATOR "):
+            estimator = json.loads(line[10:])
+        if line.startswith("FETCH "):  # not DeepSpeed's log lines
+            index, name, numel, forward = json.loads(line[6:])
+            runs[index].append((name, numel, forward))
+    return runs, estimator
+
+
+def _planned(spec, zero: ZeroConfig) -> list[tuple[int, bool]]:
+    """The replay's fetches of one micro-step (core/stage3_fetch.py micro_step_events): (elements, forward)."""
+    layout = zero_layout(spec, 1, zero)
+    units = layout.units
+    return [(sum(layout.tensors[p].numel for p in units[u].params), phase == "forward")
+            for kind, u, phase, _ in micro_step_events(units) if kind == "fetch" and u >= 0]
 
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
-def test_deepspeed_gathers_the_moe_block_whole():
+def test_the_replay_fetches_the_moe_block_as_deepspeed_does():
     spec = spec_from_config(TINY, "mixtral-tiny", "test")
-    whole, largest = moe_leaf_block(spec, ZeroConfig(stage=3))
-    assert (whole, largest) == (64 + 4 * 3 * 16 * 32, 16 * 32)  # router + 4 experts of 3 matrices
-    by_default, no_leaf_run = _fetched("default", json.dumps({"classes": []}))
-    assert ("model.layers.0.mlp", whole) in by_default
-    assert not [n for n, _ in by_default if n.startswith("model.layers.0.mlp.")]  # a leaf: no child is fetched
-    no_leaf = dict(no_leaf_run)
-    assert no_leaf["model.layers.0.mlp.experts"] == whole - 64  # every expert in one fused module
-    assert no_leaf["model.layers.0.mlp.gate"] == 64
+    fetched, estimator = _fetched(*(v if isinstance(v, str) else json.dumps(v) for v in LEAVES.values()))
+    runs = dict(zip(LEAVES, fetched))
+    for key, leaf in LEAVES.items():
+        zero = ZeroConfig(stage=3) if leaf == "default" else ZeroConfig(stage=3, leaf_module=leaf)
+        assert [(n, f) for _, n, f in runs[key]] == _planned(spec, zero), key
+    # a leaf block is fetched whole and none of its children; without one the fused experts are one fetch
+    assert ("model.layers.0.mlp", ROUTER + EXPERTS, True) in runs["default"]
+    assert not [n for n, _, _ in runs["default"] if n.startswith("model.layers.0.mlp.")]
+    assert {n: k for n, k, _ in runs["none"]}["model.layers.0.mlp.experts"] == EXPERTS
+    # DeepSpeed's estimators read the fused experts module as the largest layer (the plan's estimator row)
+    assert estimator == [spec.params, largest_module_params(spec)] == [spec.params, EXPERTS]
+    # the bundled runtime's module tree (one module per expert matrix) is fetched module by module
+    per_module = _planned(spec.model_copy(update={"module_tree": "checkpoint"}), ZeroConfig(stage=3))
+    assert len(per_module) == len(_planned(spec, ZeroConfig(stage=3))) + 2 * (4 * 3 + 1 - 1)
 
 
-def test_the_note_says_how_much_the_plan_may_be_low():
+def test_groups_follow_the_leaf_configuration():
+    spec = spec_from_config(TINY, "mixtral-tiny", "test")
+    block = "model.layers.0.block_sparse_moe"
+    leaf = moe_fetch_groups(spec, ZeroConfig(stage=3))
+    assert leaf[f"{block}.gate"] == block and leaf[f"{block}.experts.3.w2"] == block and len(leaf) == 13
+    fused = moe_fetch_groups(spec, ZeroConfig(stage=3, leaf_module={"classes": []}))
+    assert f"{block}.gate" not in fused and set(fused.values()) == {f"{block}.experts"}
+    assert moe_fetch_groups(load_model("llama-3-8b"), ZeroConfig(stage=3)) == {}
+    assert moe_fetch_groups(spec.model_copy(update={"module_tree": "checkpoint"}), ZeroConfig(stage=3)) == {}
+
+
+def test_the_note_says_how_much_gradient_the_plan_may_miss():
     mixtral = load_model("mixtral-8x7b")
-    note = moe_leaf_note(mixtral, ZeroConfig(stage=3), 2)
+    per_matrix = 4096 * 14336
+    assert moe_leaf_block(mixtral, ZeroConfig(stage=3)) == (8 * 4096 + 24 * per_matrix,) * 2 + (per_matrix,)
+    note = moe_leaf_note(mixtral, ZeroConfig(stage=3), 2, 2)
     assert note is not None and "2.63 GiB per layer" in note and "up to 2.52 GiB low" in note
-    assert "leaf_module" in note
-    assert "fuses the experts" in moe_leaf_note(mixtral, ZeroConfig(stage=3, leaf_module={"classes": []}), 2)
-    assert moe_leaf_note(mixtral, ZeroConfig(stage=2), 2) is None
-    assert moe_leaf_note(load_model("llama-3-8b"), ZeroConfig(stage=3), 2) is None
+    assert "leaf_module" in note and "reduce_leaf_module_grads" in note
+    # without a leaf: the fused gate_up_proj (gate and up of 8 experts) is the largest gradient held at once
+    fused = moe_leaf_note(mixtral, ZeroConfig(stage=3, leaf_module={"classes": []}), 2, 2)
+    assert "fused" in fused and "up to 1.64 GiB low" in fused  # (16 - 1) x 112 MiB
+    assert moe_leaf_note(mixtral, ZeroConfig(stage=2), 2, 2) is None
+    assert moe_leaf_note(load_model("llama-3-8b"), ZeroConfig(stage=3), 2, 2) is None

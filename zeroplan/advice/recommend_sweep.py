@@ -23,6 +23,7 @@ from zeroplan.core.backward_moments import activation_at
 from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
 from zeroplan.core.cublas_workspace import device_overhead
 from zeroplan.core.layout import build_layout
+from zeroplan.core.moe_leaf import moe_fetch_groups
 from zeroplan.core.finetune import backward_skips, ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.core.memory import memory_for_stage, step_reads_autograd
@@ -273,11 +274,12 @@ class _Sweep:
     def layout(self, zero: Any) -> Any:
         stage = zero.stage
         pt = int(zero.param_persistence_threshold) if stage == 3 else 0
-        key = (pt, zero.model_persistence_threshold)
+        key = (pt, zero.model_persistence_threshold, stage == 3)
         lay = self._layouts.get(key)
-        if lay is None:
-            lay = (build_layout(self.spec, self.n, persistence_threshold=pt,
-                                                model_persistence_threshold=zero.model_persistence_threshold))
+        if lay is None:  # as core/layout.py zero_layout, kept per persistence knobs
+            lay = build_layout(self.spec, self.n, persistence_threshold=pt,
+                               model_persistence_threshold=zero.model_persistence_threshold,
+                               fetch_groups=moe_fetch_groups(self.spec, zero) if stage == 3 else None)
             self._layouts[key] = lay
         return lay
 

@@ -8,9 +8,11 @@ from typing import Any
 
 def scaled_spec(spec: Any, layers: int | None = 2, hidden: int | None = 64, vocab: int | None = 512,
                 experts: int | None = 4) -> Any:
-    """A small model of the same family: ``layers`` blocks of width ``hidden`` (None = keep)."""
+    """A small model of the same family: ``layers`` blocks of width ``hidden`` (None = keep), as the bundled
+    runtime builds it: one module per checkpoint module (``module_tree`` "checkpoint": an MoE layer's experts
+    are modules of their own, not transformers 5's fused one, core/moe_leaf.py)."""
     if layers is None and hidden is None and vocab is None:
-        return spec
+        return spec.model_copy(update={"module_tree": "checkpoint"})
     kw: dict[str, Any] = {}
     if layers is not None:
         kw["num_layers"] = min(layers, spec.num_layers)
@@ -27,7 +29,7 @@ def scaled_spec(spec: Any, layers: int | None = 2, hidden: int | None = 64, voca
         kw["vocab_size"] = vocab
     if experts is not None and spec.num_experts and experts < spec.num_experts:
         kw["num_experts"] = max(experts, spec.experts_per_token)
-    return spec.scaled(**kw)
+    return spec.scaled(**kw).model_copy(update={"module_tree": "checkpoint"})
 
 
 def _zero_config(stage: int, ds: Any) -> Any:

@@ -272,8 +272,9 @@ def _stage3_gathers(B: _Builder, layout: Layout, tl: Layout, training: TrainingS
             notes.append("the whole model fits in one stage-3 prefetch: one forward gather, no backward re-gather")
     else:  # the paper: every parameter gathered once in forward and once in backward (a tied one too)
         mods = [m for m in layout.modules if m.gathered > 0]
+        skipped = layout.no_backward_units(no_backward)
         calls = [("forward", m.gathered, m.n_gathered, False, gas) for m in mods] + [
-            ("backward", m.gathered, m.n_gathered, False, gas) for m in reversed(mods) if m.name not in no_backward]
+            ("backward", m.gathered, m.n_gathered, False, gas) for m in reversed(mods) if m.name not in skipped]
     for phase, size, nparams, recompute, count in calls:
         if phase == "backward" and hpz > 1:
             # groups of min(hpz, world) consecutive ranks (DeepSpeed 0.19.8 utils/groups.py::

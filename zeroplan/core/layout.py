@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from zeroplan.core.moe_leaf import moe_fetch_groups
 from zeroplan.core.stage3_fetch import FetchUnit
 from zeroplan.specs.ds_schema import ZeroConfig
 from zeroplan.specs.model import ModelSpec
@@ -58,6 +59,8 @@ class Layout:
     persistent_tensors: list[Tensor] = field(default_factory=list)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # a layout is never mutated
     _spec: ModelSpec | None = field(default=None, repr=False, compare=False)  # what ``units`` is built from
+    # spec module -> the fetch unit it is called in, where it is not its own (core/moe_leaf.py moe_fetch_groups)
+    _groups: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def units(self) -> list[FetchUnit]:
@@ -65,8 +68,18 @@ class Layout:
         on first use: only stage 3's DeepSpeed ledger reads them, and they cost as much as the rest of
         the layout."""
         if "units" not in self._memo:
-            self._memo["units"] = _fetch_units(self._spec, self.tensors) if self._spec is not None else []
+            self._memo["units"] = _fetch_units(self._spec, self.tensors, self._groups) if self._spec is not None else []
         return self._memo["units"]
+
+    def no_backward_units(self, no_backward: frozenset[str]) -> frozenset[str]:
+        """``no_backward`` (spec modules never re-gathered in backward) as names of ``modules`` and
+        ``units``: a grouped unit is skipped when every module in it is."""
+        if not self._groups:
+            return no_backward
+        grouped: dict[str, bool] = {}
+        for module, unit in self._groups.items():
+            grouped[unit] = grouped.get(unit, True) and module in no_backward
+        return frozenset(no_backward | {u for u, skip in grouped.items() if skip})
 
     @cached_property
     def tensor_names(self) -> tuple[str, ...]:
@@ -347,6 +360,7 @@ def build_layout(
     *,
     persistence_threshold: int = 0,
     model_persistence_threshold: int | None = None,
+    fetch_groups: dict[str, str] | None = None,
 ) -> Layout:
     tensors = [Tensor(t.name, t.module, t.numel, t.layer) for t in spec.tensors if t.tied_to is None]
     total = sum(t.numel for t in tensors)
@@ -375,14 +389,16 @@ def build_layout(
                 used += t.numel
     pset = {t.name for t in persistent}
 
-    layout = Layout(params=spec.params, n=n, tensors=tensors, persistent_tensors=persistent, _spec=spec)
+    layout = Layout(params=spec.params, n=n, tensors=tensors, persistent_tensors=persistent, _spec=spec,
+                    _groups=dict(fetch_groups or {}))
     order: list[str] = []
     by_mod: dict[str, Module] = {}
-    for t in tensors:
-        m = by_mod.get(t.module)
+    for t in tensors:  # one Module per fetch unit: a grouped MoE block's modules are one
+        unit = layout._groups.get(t.module, t.module)
+        m = by_mod.get(unit)
         if m is None:
-            m = by_mod[t.module] = Module(t.module, 0, 0, 0, 0)
-            order.append(t.module)
+            m = by_mod[unit] = Module(unit, 0, 0, 0, 0)
+            order.append(unit)
         m.numel += t.numel
         if t.name in pset:
             m.persistent += t.numel
@@ -398,10 +414,11 @@ def build_layout(
 _ID_INPUT_ROLES = ("embed", "pos_embed")
 
 
-def _fetch_units(spec: ModelSpec, tensors: list[Tensor]) -> list[FetchUnit]:
+def _fetch_units(spec: ModelSpec, tensors: list[Tensor], groups: dict[str, str]) -> list[FetchUnit]:
     """One unit per spec module in spec (call) order: its own tensors plus the ones it reads through a
     tie (a tied lm head reads the embedding's parameter); its layer (what full checkpointing
-    recomputes) and whether it is an MoE expert's."""
+    recomputes) and whether it is an MoE expert's. Modules ``groups`` maps to one name are one unit
+    (transformers 5's fused experts, a ZeRO-3 leaf block: core/moe_leaf.py), at the first one's place."""
     index = {t.name: i for i, t in enumerate(tensors)}
     order: list[str] = []
     params: dict[str, list[int]] = {}
@@ -409,19 +426,20 @@ def _fetch_units(spec: ModelSpec, tensors: list[Tensor]) -> list[FetchUnit]:
     layer: dict[str, int | None] = {}
     expert: set[str] = set()
     for t in spec.tensors:
-        if t.module not in params:
-            order.append(t.module)
-            params[t.module] = []
-            layer[t.module] = t.layer
+        unit = groups.get(t.module, t.module)
+        if unit not in params:
+            order.append(unit)
+            params[unit] = []
+            layer[unit] = t.layer
         if t.expert is not None:
-            expert.add(t.module)
+            expert.add(unit)
         i = index.get(t.tied_to if t.tied_to is not None else t.name)
-        if i is not None and i not in params[t.module]:
-            params[t.module].append(i)
+        if i is not None and i not in params[unit]:
+            params[unit].append(i)
         if t.role in _ID_INPUT_ROLES:
-            ids_input.add(t.module)
+            ids_input.add(unit)
     for i, t in enumerate(tensors):  # a count spec's remainder, or tensors renamed by scaling
-        if t.module not in params:
+        if groups.get(t.module, t.module) not in params:
             order.append(t.module)
             params[t.module] = [i]
     return [FetchUnit(m, tuple(sorted(params[m])), grad_input=m not in ids_input, layer=layer.get(m),
@@ -435,4 +453,5 @@ def zero_layout(spec: ModelSpec, n: int, zero: ZeroConfig) -> Layout:
         spec, n,
         persistence_threshold=int(zero.param_persistence_threshold) if zero.stage == 3 else 0,
         model_persistence_threshold=zero.model_persistence_threshold,
+        fetch_groups=moe_fetch_groups(spec, zero) if zero.stage == 3 else None,
     )

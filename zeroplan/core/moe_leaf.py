@@ -1,22 +1,27 @@
-"""MoE blocks that DeepSpeed's ZeRO-3 gathers whole under transformers 5 (a known gap, said in a note).
+"""MoE blocks as DeepSpeed's ZeRO-3 fetches them under transformers 5: whole blocks, or all experts at once.
 
 Two things make a layer's experts one fetch and one coalesced all-gather:
 - transformers 5.x fuses a Mixtral layer's experts into one module with two 3-D parameters
   (``MixtralExperts.gate_up_proj`` and ``down_proj``, ``modeling_mixtral.py``), so the stage-3 hooks
   fetch every expert at once;
 - DeepSpeed 0.19.8 installs no hooks inside a ZeRO-3 "leaf" module and fetches all of its parameters
-  at once (``runtime/zero/leaf_module_config.py``). Its default classes are transformers' Mixtral,
-  Qwen2-MoE and Qwen3-MoE sparse MoE blocks, so the router joins the experts.
-  ``zero_optimization.leaf_module`` overrides the classes.
+  at once (``utils/z3_leaf_module.py``, ``parameter_offload.py`` ``iter_params(recurse=z3_leaf_module)``).
+  Its default classes (``runtime/zero/leaf_module_config.py``) are transformers' Mixtral, Qwen2-MoE and
+  Qwen3-MoE sparse MoE blocks, so the router joins the experts. ``zero_optimization.leaf_module``
+  overrides them: a class matches by its qualified or its bare name (``_do_set_z3_leaf_modules``),
+  ``names`` and ``name_suffixes`` by the module's name in the model (transformers 5 calls the block
+  ``model.layers.N.mlp``).
 
-Measured on transformers 5.23's tiny Mixtral (tests/test_moe_leaf.py):
-- by default DeepSpeed fetches ``model.layers.0.mlp`` with all of its parameters and never its children;
-- with no leaf classes it fetches the router, then ``mlp.experts`` with every expert's parameters.
+Measured on transformers 5.23's tiny Mixtral (tests/test_moe_leaf.py): by default DeepSpeed fetches
+``model.layers.0.mlp`` with all of its parameters and never its children; with no leaf classes it
+fetches the router, then ``mlp.experts`` with every expert's parameters. ``moe_fetch_groups`` gives the
+stage-3 replay the same fetch units (core/layout.py ``_fetch_units``). A spec whose ``module_tree`` is
+"checkpoint" (the bundled runtime's model: one module per checkpoint module) is fetched module by module.
 
-zeroplan's stage-3 replay still fetches the router and each expert matrix on its own, as the
-checkpoint names them (``block_sparse_moe.experts.N.w1``). For these blocks it therefore under-states
-the gathered bytes, and over-counts the fetches. Until the replay groups them, a plan says so, and
-by how much (``moe_leaf_note``).
+Still a known gap, said in the plan's note (``moe_leaf_note``): the layout keeps the checkpoint's
+per-expert tensors, so the gradients are still counted tensor by tensor. DeepSpeed reduces a leaf block's
+gradients together once its backward ends (``stage3.py`` ``reduce_leaf_module_grads``), and a fused
+parameter's gradient is one tensor, so more gradient bytes are live at that moment.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from zeroplan._util import fmt_bytes
 from zeroplan.specs.ds_schema import ZeroConfig
 from zeroplan.specs.model import ModelSpec
 
-__all__ = ["HF_MOE_LEAF_CLASSES", "moe_leaf_block", "moe_leaf_note"]
+__all__ = ["HF_MOE_LEAF_CLASSES", "largest_module_params", "moe_block_is_leaf", "moe_fetch_groups", "moe_leaf_block",
+           "moe_leaf_note"]
 
 # model_type -> transformers' sparse MoE block class, as DeepSpeed 0.19.8 lists it by default
 HF_MOE_LEAF_CLASSES = {
@@ -35,35 +41,93 @@ HF_MOE_LEAF_CLASSES = {
 }
 
 
-def moe_leaf_block(spec: ModelSpec, zero: ZeroConfig) -> tuple[int, int] | None:
-    """(elements of one layer's MoE block, elements of its largest single module) under stage 3 for a
-    family whose experts transformers fuses; None otherwise. The block is gathered whole when its class
-    is a leaf (``zero.leaf_module``, DeepSpeed's default), else the experts are, without the router."""
-    if int(zero.stage) != 3 or spec.model_type not in HF_MOE_LEAF_CLASSES:
-        return None
-    routers = [t for t in spec.tensors if t.role == "router" and t.layer is not None]
-    if not routers:
-        return None
-    layer = routers[0].layer
-    block = routers[0].module.rpartition(".")[0] + "."  # the router's parent: the sparse MoE block
-    by_module: dict[str, int] = {}
+def _fused(spec: ModelSpec) -> bool:
+    return spec.model_type in HF_MOE_LEAF_CLASSES and spec.module_tree == "transformers"
+
+
+def _blocks(spec: ModelSpec) -> dict[int, str]:
+    """Per layer, the sparse MoE block's module name in the spec (the router's parent)."""
+    return {t.layer: t.module.rpartition(".")[0] for t in spec.tensors if t.role == "router" and t.layer is not None}
+
+
+def moe_block_is_leaf(spec: ModelSpec, zero: ZeroConfig, block: str) -> bool:
+    """Whether DeepSpeed treats this block as a ZeRO-3 leaf module (``apply_zero_leaf_module_config``)."""
+    lm = zero.leaf_module or {}
+    qualified = HF_MOE_LEAF_CLASSES[spec.model_type]
+    if any(c in (qualified, qualified.rpartition(".")[2]) for c in lm.get("classes", [])):
+        return True
+    hf_name = f"model.layers.{block.split('.layers.')[1].split('.')[0]}.mlp" if ".layers." in block else block
+    return hf_name in lm.get("names", []) or any(hf_name.endswith(s) for s in lm.get("name_suffixes", []))
+
+
+def moe_fetch_groups(spec: ModelSpec, zero: ZeroConfig) -> dict[str, str]:
+    """Spec module -> the fetch unit DeepSpeed calls it in under transformers 5: a leaf block's modules
+    all map to the block; otherwise each expert's modules map to the block's fused ``experts`` module.
+    Empty for dense models and for a checkpoint-shaped module tree."""
+    if not _fused(spec):
+        return {}
+    blocks = _blocks(spec)
+    leaf = {b: moe_block_is_leaf(spec, zero, b) for b in set(blocks.values())}
+    out: dict[str, str] = {}
     for t in spec.tensors:
-        if t.layer == layer and t.tied_to is None and t.module.startswith(block):
-            by_module[t.module] = by_module.get(t.module, 0) + t.numel
-    if not by_module:
+        b = blocks.get(t.layer) if t.layer is not None else None
+        if b is None or not t.module.startswith(b + "."):
+            continue
+        if leaf[b]:
+            out[t.module] = b
+        elif t.expert is not None:
+            out[t.module] = f"{b}.experts"
+    return out
+
+
+def largest_module_params(spec: ModelSpec) -> int:
+    """The most parameters one module owns directly in the module tree DeepSpeed is given: what its estimators
+    read (``stage3.py`` ``model_to_params``: ``largest_layer_params``). Under transformers 5 a layer's fused
+    experts module owns every expert's matrices."""
+    largest = spec.largest_module_params
+    if not _fused(spec):
+        return largest
+    per_layer: dict[int, int] = {}
+    for t in spec.tensors:
+        if t.expert is not None and t.layer is not None and t.tied_to is None:
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + t.numel
+    return max([largest, *per_layer.values()])
+
+
+def moe_leaf_block(spec: ModelSpec, zero: ZeroConfig) -> tuple[int, int, int] | None:
+    """For layer 0's MoE block under stage 3 where transformers fuses the experts: (elements DeepSpeed
+    fetches at once, elements whose gradients it holds at once before reducing them, elements of the
+    largest checkpoint tensor there). None otherwise. A leaf block's gradients are reduced together after
+    its backward; without a leaf, the largest fused parameter's (``gate_up_proj``: the gate and up
+    matrices of every expert) is one gradient."""
+    if int(zero.stage) != 3 or not _fused(spec):
         return None
-    return sum(by_module.values()), max(by_module.values())
+    blocks = _blocks(spec)
+    if not blocks:
+        return None
+    layer = min(blocks)
+    groups = moe_fetch_groups(spec, zero)
+    mine = [t for t in spec.tensors if t.layer == layer and t.tied_to is None and t.module in groups]
+    fetched = sum(t.numel for t in mine)
+    if moe_block_is_leaf(spec, zero, blocks[layer]):
+        held = fetched
+    else:
+        gate_up = sum(t.numel for t in mine if t.role in ("expert_gate", "expert_up"))
+        held = max(gate_up, sum(t.numel for t in mine if t.role == "expert_down"))
+    return fetched, held, max(t.numel for t in mine)
 
 
-def moe_leaf_note(spec: ModelSpec, zero: ZeroConfig, param_bytes: int) -> str | None:
+def moe_leaf_note(spec: ModelSpec, zero: ZeroConfig, param_bytes: int, grad_bytes: int) -> str | None:
     got = moe_leaf_block(spec, zero)
     if got is None:
         return None
-    whole, largest = got
-    leaf = HF_MOE_LEAF_CLASSES[spec.model_type] in (zero.leaf_module or {}).get("classes", [])
-    why = ("its sparse MoE block is a default zero_optimization.leaf_module class" if leaf else
-           "transformers 5 fuses the experts into one module")
-    return (f"MoE under ZeRO-3: DeepSpeed 0.19.8 gathers all of a {spec.model_type} layer's experts at once ({why}), "
-            f"{fmt_bytes(whole * param_bytes)} per layer; this plan gathers the router and experts module by module "
-            f"(largest {fmt_bytes(largest * param_bytes)}), so its gather peak can be up to "
-            f"{fmt_bytes((whole - largest) * param_bytes)} low (a known gap, core/moe_leaf.py)")
+    fetched, held, largest = got
+    leaf = moe_block_is_leaf(spec, zero, next(iter(_blocks(spec).values())))
+    what = ("the whole sparse MoE block, a zero_optimization.leaf_module class" if leaf else
+            "every expert at once, fused into one module")
+    how = ("reduces the block's gradients together after its backward (stage3.py reduce_leaf_module_grads)" if leaf
+           else "reduces the fused gate_up_proj as one gradient")
+    return (f"MoE under ZeRO-3: gathered as DeepSpeed 0.19.8 fetches transformers 5's {spec.model_type} layers: "
+            f"{what}, {fmt_bytes(fetched * param_bytes)} per layer. DeepSpeed also {how}; this plan still counts "
+            f"gradients per checkpoint tensor (largest {fmt_bytes(largest * grad_bytes)}), so its backward peak "
+            f"can be up to {fmt_bytes((held - largest) * grad_bytes)} low (a known gap, core/moe_leaf.py)")

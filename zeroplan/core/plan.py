@@ -20,7 +20,7 @@ from zeroplan.core.ds_estimator import DeepSpeedEstimate, deepspeed_estimate_for
 from zeroplan.core.host_time import stage3_host_time_s
 from zeroplan.core.layout import zero_layout
 from zeroplan.core.memory import MemoryBreakdown, memory_for_stage
-from zeroplan.core.moe_leaf import moe_leaf_note
+from zeroplan.core.moe_leaf import largest_module_params, moe_leaf_note
 from zeroplan.core.stage3_live import replay_inputs
 from zeroplan.core.timing import DEFAULT_MFU, TimeEstimate, estimate_time
 from zeroplan.specs.ds_schema import ZeroConfig, zero_or_default
@@ -112,13 +112,13 @@ def evaluate(
         stage=stage, offload_optimizer=off_opt, offload_param=off_par, n_gpus=n_gpus, nodes=nodes,
         gpus_per_node=gpus_per_node, memory=mem, host_memory_per_node=mem.host.per_node_bytes, comm=comm,
         deepspeed_estimator=deepspeed_estimate_for(
-            stage, total_params=model.params, largest_layer_params=model.largest_module_params,
+            stage, total_params=model.params, largest_layer_params=largest_module_params(model),
             gpus_per_node=gpus_per_node, num_nodes=nodes, offload_optimizer=off_opt != "none",
             offload_param=off_par != "none",
         ),
         notes=list(mem.notes) + list(ledger.notes),
     )
-    leaf = moe_leaf_note(model, zero, training.precision.param_bytes)
+    leaf = moe_leaf_note(model, zero, training.precision.param_bytes, training.precision.grad_bytes)
     if leaf is not None:
         plan.notes.append(leaf)
     if plan.deepspeed_estimator is not None:

@@ -77,10 +77,11 @@ def replay_inputs(layout: Layout, tl: Layout, no_backward: frozenset[str]) -> Re
     if key not in cache:
         pset = {t.name for t in layout.persistent_tensors}
         trained = set(key[1])
+        skipped = layout.no_backward_units(no_backward)
         cache[key] = _interned(ReplayInputs((
             tuple(t.numel for t in layout.tensors), tuple(layout.padded(t.numel) for t in layout.tensors),
             tuple(t.name in pset for t in layout.tensors),
-            tuple(replace(u, backward=u.name not in no_backward) for u in layout.units),
+            tuple(replace(u, backward=u.name not in skipped) for u in layout.units),
             tuple(t.name not in trained for t in layout.tensors))))
     return cache[key]
 

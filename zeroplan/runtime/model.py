@@ -22,7 +22,9 @@ the spec (tied tensors share one ``Parameter``), and a real ``forward(input_ids)
 - Every holder module is *called* (``module(x)``), so forward pre/post hooks see every module
   in forward order (the ZeRO-3 engine gathers parameters from those hooks). An MoE expert
   that receives no token is still called on an empty batch, so it is gathered and gets a
-  (zero) gradient like in a dense pass.
+  (zero) gradient like in a dense pass. So each expert matrix is a module of its own, as the
+  checkpoint names it, not transformers 5's fused experts module: the planner is given this tree as
+  ``ModelSpec.module_tree = "checkpoint"`` (bench/zero_predict.py ``scaled_spec``, core/moe_leaf.py).
 
 The forward pass itself (the static plan by role, attention, MLP, MoE, the layer loop) is
 ``runtime/model_forward.py``. Conventions: shapes are element counts; ``numel`` sums are parameters (elements), not bytes.

@@ -14,7 +14,7 @@ re-parses a config edited by model_scale.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -91,6 +91,10 @@ class ModelSpec(BaseModel):
     gated_mlp: bool = True
     num_experts: int = 0  # 0 = dense
     experts_per_token: int = 0
+    # the module tree DeepSpeed's ZeRO-3 hooks see (core/moe_leaf.py): "transformers", the HF implementation
+    # (transformers 5 fuses an MoE layer's experts into one module), or "checkpoint", one module per module of
+    # the checkpoint's names (the bundled runtime's model: runtime/model.py)
+    module_tree: Literal["transformers", "checkpoint"] = Field(default="transformers", exclude=True)
 
     params: int  # exact total parameter count (shared tensors counted once)
     largest_module_params: int  # max over modules of directly-owned params
@@ -246,4 +250,5 @@ def _scale(spec: ModelSpec, num_layers, hidden_size, intermediate_size, vocab_si
         out.notes = [f"scaled from the default llama-style shape of the count spec {spec.name!r}; "
                      "this small shape is exact"]
     out.notes.extend(extra_notes)
+    out.module_tree = spec.module_tree
     return out

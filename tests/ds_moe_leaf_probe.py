@@ -2,8 +2,10 @@
 (world size 1, CPU/gloo), and the modules DeepSpeed fetches in one forward and backward, printed as lines
 "FETCH [configuration index, module name, elements it fetches, forward]": its own parameters, or all of them
 (children included) for a leaf module (``parameter_offload.py`` ``iter_params(recurse=z3_leaf_module)``),
-modules without parameters left out; then "ESTIMATOR [total, largest_layer_params]" as DeepSpeed's
-estimators count the model (``stage3.py`` ``model_to_params``). Each argument is a configuration, run one after the other in this process (one DeepSpeed start-up for all): a JSON
+modules without parameters left out; "REDUCE [configuration index, elements]" per gradient in the order
+the backward hands it to DeepSpeed's reduction (``reduce_ready_partitions_and_remove_grads``); then
+"ESTIMATOR [total, largest_layer_params]" as DeepSpeed's estimators count the model (``stage3.py``
+``model_to_params``) and "PARAMS [[name, elements], ...]" in the model's order. Each argument is a configuration, run one after the other in this process (one DeepSpeed start-up for all): a JSON
 ``zero_optimization.leaf_module`` block, or "default"."""
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator  # noqa: E402
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3, model_to_params  # noqa: E402
 from deepspeed.utils import z3_leaf_module  # noqa: E402
 
 FETCHED: list[tuple[int, str, int, bool]] = []
+REDUCED: list[tuple[int, int]] = []  # (configuration, elements) per gradient handed to DeepSpeed's reduction
 RECORD: list[int | None] = [None]  # the configuration being recorded
 NAMES: dict[int, str] = {}
 _inner = PartitionedParameterCoordinator.fetch_sub_module
@@ -34,6 +38,16 @@ def _fetch(self, module, forward, *args, **kwargs):
 
 
 PartitionedParameterCoordinator.fetch_sub_module = _fetch
+_reduce = DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads
+
+
+def _reduced(self, param):
+    if RECORD[0] is not None:
+        REDUCED.append((RECORD[0], int(param.ds_numel)))
+    return _reduce(self, param)
+
+
+DeepSpeedZeroOptimizer_Stage3.reduce_ready_partitions_and_remove_grads = _reduced
 cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  num_key_value_heads=1, vocab_size=64, max_position_embeddings=64,
                                  num_local_experts=4, num_experts_per_tok=2)
@@ -55,9 +69,11 @@ for index, leaf in enumerate(sys.argv[1:]):
         engine.backward(loss)
         RECORD[0] = None
         engine.step()
-from deepspeed.runtime.zero.stage3 import model_to_params  # noqa: E402
-
+model = transformers.AutoModelForCausalLM.from_config(cfg)
 # what DeepSpeed's estimators read of this model: (total parameters, largest_layer_params)
-print("ESTIMATOR", json.dumps(model_to_params(transformers.AutoModelForCausalLM.from_config(cfg))))
+print("ESTIMATOR", json.dumps(model_to_params(model)))
+print("PARAMS", json.dumps([[n, p.numel()] for n, p in model.named_parameters()]))
 for row in FETCHED:
     print("FETCH", json.dumps(list(row)))
+for row in REDUCED:
+    print("REDUCE", json.dumps(list(row)))

@@ -12,7 +12,8 @@ from zeroplan.core.inputs import (
     grad_accum_dtype_from_config,
     optimizer_impl_from_config,
 )
-from zeroplan.core.layout import build_layout, stage3_schedule
+from zeroplan.core.layout import build_layout
+from zeroplan.core.stage3_schedule import stage3_schedule
 from zeroplan.core.memory_buffers import stage3_gather
 from zeroplan.core.memory_states import state_plan
 from zeroplan.core.plan import evaluate

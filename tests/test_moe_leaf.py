@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 
 from zeroplan.core.layout import zero_layout
+from zeroplan.core.plan import evaluate
 from zeroplan.core.moe_leaf import largest_module_params, moe_fetch_groups, moe_leaf_block, moe_leaf_note
 from zeroplan.core.stage3_fetch import micro_step_events
 from zeroplan.specs.deepspeed_config import ZeroConfig
 from zeroplan.specs.model import load_model, spec_from_config
+from zeroplan.specs.training import TrainingSetup, get_precision
 
 PROBE = Path(__file__).resolve().parent / "ds_moe_leaf_probe.py"
 TINY = {"model_type": "mixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
@@ -32,9 +34,29 @@ LEAVES = {"default": "default", "none": {"classes": []}, "bare class": {"classes
           "suffix": {"classes": [], "name_suffixes": ["mlp"]}}
 
 
-def _fetched(*leaf: str) -> tuple[list[list[tuple[str, int, bool]]], list[int]]:
-    """Per configuration (a leaf_module JSON block or "default"), the modules fetched in one micro-step:
-    (name, elements, forward); and DeepSpeed's estimators' (total, largest_layer_params) of the model."""
+class _Probe:
+    """What tests/ds_moe_leaf_probe.py printed, per configuration (a leaf_module JSON block or "default")."""
+
+    def __init__(self, n: int, stdout: str) -> None:
+        self.fetched: list[list[tuple[str, int, bool]]] = [[] for _ in range(n)]  # (name, elements, forward)
+        self.reduced: list[list[int]] = [[] for _ in range(n)]  # elements per gradient, in reduction order
+        self.estimator: list[int] = []  # DeepSpeed's estimators' (total, largest_layer_params)
+        self.params: list[tuple[str, int]] = []  # the model's parameters in its order
+        for line in stdout.splitlines():  # DeepSpeed's own log lines start otherwise
+            kind, _, rest = line.partition(" ")
+            if kind == "FETCH":
+                index, name, numel, forward = json.loads(rest)
+                self.fetched[index].append((name, numel, forward))
+            elif kind == "REDUCE":
+                index, numel = json.loads(rest)
+                self.reduced[index].append(numel)
+            elif kind == "ESTIMATOR":
+                self.estimator = json.loads(rest)
+            elif kind == "PARAMS":
+                self.params = [tuple(p) for p in json.loads(rest)]
+
+
+def _probe(*leaf: str) -> _Probe:
     from zeroplan.bench import deepspeed_engine as dse
 
     if not dse.deepspeed_available():
@@ -44,15 +66,7 @@ def _fetched(*leaf: str) -> tuple[list[list[tuple[str, int, bool]]], list[int]]:
         port = sock.getsockname()[1]
     out = subprocess.run([sys.executable, str(PROBE), *leaf], capture_output=True, text=True, timeout=300,
                          check=True, env=dict(os.environ, MASTER_PORT=str(port)))
-    runs: list[list[tuple[str, int, bool]]] = [[] for _ in leaf]
-    estimator: list[int] = []
-    for line in out.stdout.splitlines():
-        if line.startswith("ESTIMATOR "):
-            estimator = json.loads(line[10:])
-        if line.startswith("FETCH "):  # not DeepSpeed's log lines
-            index, name, numel, forward = json.loads(line[6:])
-            runs[index].append((name, numel, forward))
-    return runs, estimator
+    return _Probe(len(leaf), out.stdout)
 
 
 def _planned(spec, zero: ZeroConfig) -> list[tuple[int, bool]]:
@@ -67,17 +81,26 @@ def _planned(spec, zero: ZeroConfig) -> list[tuple[int, bool]]:
 @pytest.mark.deepspeed
 def test_the_replay_fetches_the_moe_block_as_deepspeed_does():
     spec = spec_from_config(TINY, "mixtral-tiny", "test")
-    fetched, estimator = _fetched(*(v if isinstance(v, str) else json.dumps(v) for v in LEAVES.values()))
-    runs = dict(zip(LEAVES, fetched))
-    for key, leaf in LEAVES.items():
+    probe = _probe(*(v if isinstance(v, str) else json.dumps(v) for v in LEAVES.values()))
+    runs = dict(zip(LEAVES, probe.fetched))
+    for (key, leaf), reduced in zip(LEAVES.items(), probe.reduced):
         zero = ZeroConfig(stage=3) if leaf == "default" else ZeroConfig(stage=3, leaf_module=leaf)
         assert [(n, f) for _, n, f in runs[key]] == _planned(spec, zero), key
+        # gradients reach DeepSpeed's reduction in the layout's ready order: a leaf block's together, in
+        # parameter order, at its backward hook; otherwise in reverse
+        assert reduced == [t.numel for t in zero_layout(spec, 1, zero).grad_ready], key
+    # the layout holds transformers' parameters: the experts fused into gate_up_proj and down_proj
+    layout = zero_layout(spec, 1, ZeroConfig(stage=3))
+    assert sorted(n for _, n in probe.params) == sorted(t.numel for t in layout.tensors)
+    fused = {n.rpartition(".")[2]: k for n, k in probe.params if ".experts." in n}
+    assert fused == {t.name.rpartition(".")[2]: t.numel for t in layout.tensors if ".experts." in t.name}
+    assert probe.reduced[0][2:5] == [ROUTER, 2 * EXPERTS // 3, EXPERTS // 3]  # router, gate_up, down
     # a leaf block is fetched whole and none of its children; without one the fused experts are one fetch
     assert ("model.layers.0.mlp", ROUTER + EXPERTS, True) in runs["default"]
     assert not [n for n, _, _ in runs["default"] if n.startswith("model.layers.0.mlp.")]
     assert {n: k for n, k, _ in runs["none"]}["model.layers.0.mlp.experts"] == EXPERTS
     # DeepSpeed's estimators read the fused experts module as the largest layer (the plan's estimator row)
-    assert estimator == [spec.params, largest_module_params(spec)] == [spec.params, EXPERTS]
+    assert probe.estimator == [spec.params, largest_module_params(spec)] == [spec.params, EXPERTS]
     # the bundled runtime's module tree (one module per expert matrix) is fetched module by module
     per_module = _planned(spec.model_copy(update={"module_tree": "checkpoint"}), ZeroConfig(stage=3))
     assert len(per_module) == len(_planned(spec, ZeroConfig(stage=3))) + 2 * (4 * 3 + 1 - 1)
@@ -87,22 +110,43 @@ def test_groups_follow_the_leaf_configuration():
     spec = spec_from_config(TINY, "mixtral-tiny", "test")
     block = "model.layers.0.block_sparse_moe"
     leaf = moe_fetch_groups(spec, ZeroConfig(stage=3))
-    assert leaf[f"{block}.gate"] == block and leaf[f"{block}.experts.3.w2"] == block and len(leaf) == 13
+    # the router, 12 expert matrices and the fused experts module all map to the block
+    assert set(leaf.values()) == {block} and len(leaf) == 14 and leaf[f"{block}.experts"] == block
     fused = moe_fetch_groups(spec, ZeroConfig(stage=3, leaf_module={"classes": []}))
     assert f"{block}.gate" not in fused and set(fused.values()) == {f"{block}.experts"}
     assert moe_fetch_groups(load_model("llama-3-8b"), ZeroConfig(stage=3)) == {}
     assert moe_fetch_groups(spec.model_copy(update={"module_tree": "checkpoint"}), ZeroConfig(stage=3)) == {}
 
 
-def test_the_note_says_how_much_gradient_the_plan_may_miss():
+def test_a_leaf_blocks_gradients_are_live_together_in_the_backward():
+    mixtral = load_model("mixtral-8x7b")
+    block = 8 * 4096 + 24 * 4096 * 14336  # the router and every expert matrix of one layer
+    leaf = zero_layout(mixtral, 16, ZeroConfig(stage=3))
+    assert leaf.leaf_elements_by_layer == {layer: block for layer in range(32)}
+    assert zero_layout(mixtral, 16, ZeroConfig(stage=3, leaf_module={"classes": []})).leaf_elements_by_layer == {}
+    assert zero_layout(mixtral, 16, ZeroConfig(stage=2)).leaf_elements_by_layer == {}
+    # 32 layers of (gate_up_proj, down_proj) stand for 768 expert matrices, in every stage's layout
+    stage2 = zero_layout(mixtral, 16, ZeroConfig(stage=2))
+    assert len(stage2.tensors) == len(mixtral.tensors) - 768 + 64 - (1 if mixtral.tie_word_embeddings else 0)
+    assert sum(t.numel for t in stage2.tensors) == mixtral.params
+    training = TrainingSetup(precision=get_precision("bf16"), micro_batch=1, seq_len=4096, checkpointing="full")
+    plans = {name: evaluate(model=mixtral, training=training, zero=ZeroConfig(stage=3, **extra), n_gpus=16)
+             for name, extra in (("leaf", {}), ("fused", {"leaf_module": {"classes": []}}))}
+    # the backward holds the block's bf16 gradients at its hook; the fused gate_up_proj's without a leaf
+    assert max(m.autograd for m in plans["leaf"].memory.backward_moments) >= 2 * block
+    assert max(m.autograd for m in plans["fused"].memory.backward_moments) < 2 * block
+    assert plans["leaf"].memory.peak > plans["fused"].memory.peak
+
+
+def test_the_note_says_what_is_gathered_and_reduced_together():
     mixtral = load_model("mixtral-8x7b")
     per_matrix = 4096 * 14336
-    assert moe_leaf_block(mixtral, ZeroConfig(stage=3)) == (8 * 4096 + 24 * per_matrix,) * 2 + (per_matrix,)
+    assert moe_leaf_block(mixtral, ZeroConfig(stage=3)) == (8 * 4096 + 24 * per_matrix,) * 2
     note = moe_leaf_note(mixtral, ZeroConfig(stage=3), 2, 2)
-    assert note is not None and "2.63 GiB per layer" in note and "up to 2.52 GiB low" in note
-    assert "leaf_module" in note and "reduce_leaf_module_grads" in note
+    assert note is not None and "2.63 GiB per layer" in note and "leaf_module" in note
+    assert "reduce_leaf_module_grads" in note and "2.63 GiB of gradients" in note
     # without a leaf: the fused gate_up_proj (gate and up of 8 experts) is the largest gradient held at once
     fused = moe_leaf_note(mixtral, ZeroConfig(stage=3, leaf_module={"classes": []}), 2, 2)
-    assert "fused" in fused and "up to 1.64 GiB low" in fused  # (16 - 1) x 112 MiB
+    assert "fuses them" in fused and "1.75 GiB of gradients" in fused  # 16 x 112 MiB
     assert moe_leaf_note(mixtral, ZeroConfig(stage=2), 2, 2) is None
     assert moe_leaf_note(load_model("llama-3-8b"), ZeroConfig(stage=3), 2, 2) is None

@@ -22,8 +22,7 @@ from zeroplan.core.allocator import communicators, release_under_pressure, requi
 from zeroplan.core.backward_moments import activation_at
 from zeroplan.core.comm import CommLedger, PcieTransfer, build_ledger, offload_costs
 from zeroplan.core.cublas_workspace import device_overhead
-from zeroplan.core.layout import build_layout
-from zeroplan.core.moe_leaf import moe_fetch_groups
+from zeroplan.core.layout import build_layout, zero_layout_options
 from zeroplan.core.finetune import backward_skips, ledger_layouts
 from zeroplan.core.finetune_compute import matmul_work
 from zeroplan.core.memory import memory_for_stage, step_reads_autograd
@@ -272,28 +271,24 @@ class _Sweep:
         return t
 
     def layout(self, zero: Any) -> Any:
-        stage = zero.stage
-        pt = int(zero.param_persistence_threshold) if stage == 3 else 0
-        key = (pt, zero.model_persistence_threshold, stage == 3)
+        # as core/layout.py zero_layout, kept per persistence knobs and stage 3 (the leaf classes are the config's)
+        key = (int(zero.param_persistence_threshold) if zero.stage == 3 else 0, zero.model_persistence_threshold,
+               zero.stage == 3)
         lay = self._layouts.get(key)
-        if lay is None:  # as core/layout.py zero_layout, kept per persistence knobs
-            lay = build_layout(self.spec, self.n, persistence_threshold=pt,
-                               model_persistence_threshold=zero.model_persistence_threshold,
-                               fetch_groups=moe_fetch_groups(self.spec, zero) if stage == 3 else None)
-            self._layouts[key] = lay
+        if lay is None:
+            lay = self._layouts[key] = build_layout(self.spec, self.n, **zero_layout_options(self.spec, zero))
         return lay
 
     def train_layout(self, zero: Any) -> Any:
         """The trainable parameters' layout (None without frozen weights)."""
         if self.inp.finetune is None:
             return None
-        stage = zero.stage
-        key = ("train", int(zero.param_persistence_threshold) if stage == 3 else 0, zero.model_persistence_threshold)
+        key = ("train", int(zero.param_persistence_threshold) if zero.stage == 3 else 0,
+               zero.model_persistence_threshold, zero.stage == 3)
         lay = self._layouts.get(key)
         if lay is None:
-            lay = self._layouts[key] = build_layout(
-                self.inp.finetune.trainable, self.n,
-                persistence_threshold=key[1], model_persistence_threshold=zero.model_persistence_threshold)
+            trainable = self.inp.finetune.trainable
+            lay = self._layouts[key] = build_layout(trainable, self.n, **zero_layout_options(trainable, zero))
         return lay
 
     def zero(self, stage: int, point: tuple) -> Any:

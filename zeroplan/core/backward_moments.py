@@ -341,8 +341,10 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
            # gradients are freed by then: the activations are at least those of the top layer's backward
            moment("lm_head weight gradient (before its hook)", gathered.head, 0, "layer", autograd=b_p * hg.head)]
     top = -1
+    leaf = layout.leaf_elements_by_layer  # a ZeRO-3 leaf's gradients, all live at its backward hook
     for done, g in enumerate(gathered.layers):
         temp, grads_out = temp_at.get(done, (0, 0))
+        grads_out = max(grads_out, b_p * leaf.get(len(gathered.layers) - 1 - done, 0))
         if b_p * g + temp + grads_out > top:
             flushed = " (bucket flush)" if done in temp_at else ""
             out.append(moment(f"backward of layer {len(gathered.layers) - 1 - done}{flushed}", g, temp, "layer", done,

@@ -49,7 +49,7 @@ def ready_buckets(layout: Layout, bucket_elems: int) -> tuple[list[tuple[list[in
     cur: list[int] = []
     total, seen_layer = 0, False
     flushes: list[tuple[list[int], int]] = []
-    for t in reversed(layout.tensors):
+    for t in layout.grad_ready:
         seen_layer = seen_layer or t.layer is not None
         done = n_layers - 1 - t.layer if t.layer is not None else (n_layers - 1 if seen_layer else 0)
         if cur and total + t.numel > bucket_elems:

@@ -20,13 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from zeroplan.core.moe_leaf import moe_fetch_groups
+from zeroplan.core.moe_leaf import fused_parameters, moe_fetch_groups, moe_leaf_units
 from zeroplan.core.stage3_fetch import FetchUnit
 from zeroplan.specs.ds_schema import ZeroConfig
 from zeroplan.specs.model import ModelSpec
 
-__all__ = ["Tensor", "Module", "Layout", "Stage3Schedule", "build_layout", "zero_layout", "ceil_div",
-           "greedy_buckets", "greedy_buckets_after", "stage3_schedule"]
+__all__ = ["Tensor", "Module", "Layout", "build_layout", "zero_layout", "zero_layout_options", "ceil_div",
+           "greedy_buckets", "greedy_buckets_after"]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -61,6 +61,10 @@ class Layout:
     _spec: ModelSpec | None = field(default=None, repr=False, compare=False)  # what ``units`` is built from
     # spec module -> the fetch unit it is called in, where it is not its own (core/moe_leaf.py moe_fetch_groups)
     _groups: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # spec tensor name -> the parameter it is part of, where the model fuses it (core/moe_leaf.py fused_parameters)
+    _renamed: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # fetch units DeepSpeed treats as ZeRO-3 leaf modules (core/moe_leaf.py moe_leaf_units)
+    _leaf_units: frozenset[str] = field(default_factory=frozenset, repr=False, compare=False)
 
     @property
     def units(self) -> list[FetchUnit]:
@@ -68,7 +72,8 @@ class Layout:
         on first use: only stage 3's DeepSpeed ledger reads them, and they cost as much as the rest of
         the layout."""
         if "units" not in self._memo:
-            self._memo["units"] = _fetch_units(self._spec, self.tensors, self._groups) if self._spec is not None else []
+            self._memo["units"] = (_fetch_units(self._spec, self.tensors, self._groups, self._renamed)
+                                   if self._spec is not None else [])
         return self._memo["units"]
 
     def no_backward_units(self, no_backward: frozenset[str]) -> frozenset[str]:
@@ -80,6 +85,36 @@ class Layout:
         for module, unit in self._groups.items():
             grouped[unit] = grouped.get(unit, True) and module in no_backward
         return frozenset(no_backward | {u for u, skip in grouped.items() if skip})
+
+    @cached_property
+    def grad_ready(self) -> list[Tensor]:
+        """The tensors in the order the backward hands their gradients to DeepSpeed's reduction: reverse
+        parameter order, except that a ZeRO-3 leaf's parameters come together, in parameter order, at its
+        backward hook (stage3.py ``reduce_leaf_module_grads`` loops over them; measured: tests/test_moe_leaf.py)."""
+        seq = list(reversed(self.tensors))
+        if not self._leaf_units:
+            return seq
+        unit = [self._groups.get(t.module, t.module) for t in seq]
+        out: list[Tensor] = []
+        i = 0
+        while i < len(seq):
+            j = i + 1
+            if unit[i] in self._leaf_units:
+                while j < len(seq) and unit[j] == unit[i]:
+                    j += 1
+            out.extend(reversed(seq[i:j]))
+            i = j
+        return out
+
+    @cached_property
+    def leaf_elements_by_layer(self) -> dict[int, int]:
+        """Per decoder layer, the elements of its ZeRO-3 leaf modules' parameters: DeepSpeed reduces a leaf's
+        gradients together once its backward ends, so they are all live then (core/moe_leaf.py moe_leaf_units)."""
+        out: dict[int, int] = {}
+        for t in self.tensors:
+            if t.layer is not None and self._groups.get(t.module, t.module) in self._leaf_units:
+                out[t.layer] = out.get(t.layer, 0) + t.numel
+        return out
 
     @cached_property
     def tensor_names(self) -> tuple[str, ...]:
@@ -209,7 +244,7 @@ class Layout:
         once over the size (stage 0's allreduce_no_retain). Stages 1–3's hooks: core/grad_buckets.py."""
         key = ("gb", bucket_elems, order, flush)
         if key not in self._memo:
-            seq = self.tensors if order == "forward" else list(reversed(self.tensors))
+            seq = self.tensors if order == "forward" else self.grad_ready
             sizes = [t.numel for t in seq]
             self._memo[key] = (greedy_buckets_after if flush == "after" else greedy_buckets)(sizes, bucket_elems)
         return list(self._memo[key])
@@ -299,61 +334,6 @@ def greedy_buckets_after(sizes: list[int], bucket_elems: int) -> list[int]:
     return buckets
 
 
-@dataclass
-class Stage3Schedule:
-    """The memory model's view of stage 3's gathers (core/memory_buffers.py): chunks and re-gathers.
-
-    The ledger does not use it: its gathers are replayed from DeepSpeed's coordinator
-    (core/stage3_fetch.py), exact with tied weights and every knob; this coarser schedule only
-    sizes the gathered-parameter peaks.
-
-    ``forward_chunks``: one all-gather each — (padded elements, number of params, label).
-    ``regather``: per module of ``Layout.modules`` (same order), re-gathered in backward.
-    """
-
-    forward_chunks: list[tuple[int, int, str]]
-    regather: list[bool]
-    one_shot: bool
-
-
-def stage3_schedule(layout: "Layout", *, max_live: int, prefetch_bucket: int, max_reuse: int,
-                    paper: bool = False) -> Stage3Schedule:
-    mods = layout.modules
-    pset = {t.name for t in layout.persistent_tensors}
-    nonpersistent = [t for t in layout.tensors if t.name not in pset]
-    if paper:
-        chunks = [(m.gathered, m.n_gathered, m.name) for m in mods if m.gathered > 0]
-        return Stage3Schedule(chunks, [m.gathered > 0 for m in mods], False)
-    bound = min(max_live, prefetch_bucket)
-    total_np = sum(t.numel for t in nonpersistent)
-    if bound > 0 and total_np < bound:
-        chunk = (sum(layout.padded(t.numel) for t in nonpersistent), len(nonpersistent), "all non-persistent parameters (one prefetch)")
-        return Stage3Schedule([chunk] if nonpersistent else [], [False] * len(mods), True)
-    chunks: list[tuple[int, int, str]] = []
-    if bound <= 0:
-        chunks = [(m.gathered, m.n_gathered, m.name) for m in mods if m.gathered > 0]
-    else:
-        cur = cur_p = n = 0
-        first = ""
-        for t in nonpersistent:
-            if n == 0:
-                first = t.module
-            cur += t.numel
-            cur_p += layout.padded(t.numel)
-            n += 1
-            if cur >= bound:
-                chunks.append((cur_p, n, first if n == 1 else f"{first} …"))
-                cur = cur_p = n = 0
-        if n:
-            chunks.append((cur_p, n, first if n == 1 else f"{first} …"))
-    regather = [False] * len(mods)
-    after = 0
-    for i in range(len(mods) - 1, -1, -1):
-        regather[i] = mods[i].gathered > 0 and 2 * after >= max_reuse
-        after += mods[i].numel
-    return Stage3Schedule(chunks, regather, False)
-
-
 def build_layout(
     spec: ModelSpec,
     n: int,
@@ -361,8 +341,13 @@ def build_layout(
     persistence_threshold: int = 0,
     model_persistence_threshold: int | None = None,
     fetch_groups: dict[str, str] | None = None,
+    leaf_units: frozenset[str] = frozenset(),
 ) -> Layout:
-    tensors = [Tensor(t.name, t.module, t.numel, t.layer) for t in spec.tensors if t.tied_to is None]
+    fused = fused_parameters(spec)  # transformers 5's fused MoE experts (core/moe_leaf.py)
+    if fused is None:
+        tensors = [Tensor(t.name, t.module, t.numel, t.layer) for t in spec.tensors if t.tied_to is None]
+    else:
+        tensors = [Tensor(*p) for p in fused[0]]
     total = sum(t.numel for t in tensors)
     diff = spec.params - total
     if tensors and diff > 0:
@@ -390,7 +375,8 @@ def build_layout(
     pset = {t.name for t in persistent}
 
     layout = Layout(params=spec.params, n=n, tensors=tensors, persistent_tensors=persistent, _spec=spec,
-                    _groups=dict(fetch_groups or {}))
+                    _groups=dict(fetch_groups or {}), _renamed=fused[1] if fused is not None else {},
+                    _leaf_units=leaf_units)
     order: list[str] = []
     by_mod: dict[str, Module] = {}
     for t in tensors:  # one Module per fetch unit: a grouped MoE block's modules are one
@@ -414,11 +400,13 @@ def build_layout(
 _ID_INPUT_ROLES = ("embed", "pos_embed")
 
 
-def _fetch_units(spec: ModelSpec, tensors: list[Tensor], groups: dict[str, str]) -> list[FetchUnit]:
+def _fetch_units(spec: ModelSpec, tensors: list[Tensor], groups: dict[str, str],
+                 renamed: dict[str, str]) -> list[FetchUnit]:
     """One unit per spec module in spec (call) order: its own tensors plus the ones it reads through a
     tie (a tied lm head reads the embedding's parameter); its layer (what full checkpointing
     recomputes) and whether it is an MoE expert's. Modules ``groups`` maps to one name are one unit
-    (transformers 5's fused experts, a ZeRO-3 leaf block: core/moe_leaf.py), at the first one's place."""
+    (transformers 5's fused experts, a ZeRO-3 leaf block: core/moe_leaf.py), at the first one's place;
+    ``renamed`` gives a fused checkpoint tensor's parameter."""
     index = {t.name: i for i, t in enumerate(tensors)}
     order: list[str] = []
     params: dict[str, list[int]] = {}
@@ -433,7 +421,8 @@ def _fetch_units(spec: ModelSpec, tensors: list[Tensor], groups: dict[str, str])
             layer[unit] = t.layer
         if t.expert is not None:
             expert.add(unit)
-        i = index.get(t.tied_to if t.tied_to is not None else t.name)
+        own = t.tied_to if t.tied_to is not None else t.name
+        i = index.get(renamed.get(own, own))
         if i is not None and i not in params[unit]:
             params[unit].append(i)
         if t.role in _ID_INPUT_ROLES:
@@ -446,12 +435,17 @@ def _fetch_units(spec: ModelSpec, tensors: list[Tensor], groups: dict[str, str])
                       expert=m in expert) for m in order if params[m]]
 
 
+def zero_layout_options(spec: ModelSpec, zero: ZeroConfig) -> dict:
+    """``build_layout``'s options for ``spec`` under ``zero``: small parameters stay whole only in stage 3
+    (``param_persistence_threshold``, capped by ``model_persistence_threshold``), where MoE layers are also
+    fetched as DeepSpeed fetches transformers' modules (core/moe_leaf.py)."""
+    stage3 = int(zero.stage) == 3
+    return {"persistence_threshold": int(zero.param_persistence_threshold) if stage3 else 0,
+            "model_persistence_threshold": zero.model_persistence_threshold,
+            "fetch_groups": moe_fetch_groups(spec, zero) if stage3 else None,
+            "leaf_units": moe_leaf_units(spec, zero) if stage3 else frozenset()}
+
+
 def zero_layout(spec: ModelSpec, n: int, zero: ZeroConfig) -> Layout:
-    """``spec`` laid out on ``n`` ranks as ``zero`` partitions it: small parameters stay whole only in
-    stage 3 (``param_persistence_threshold``, capped by ``model_persistence_threshold``)."""
-    return build_layout(
-        spec, n,
-        persistence_threshold=int(zero.param_persistence_threshold) if zero.stage == 3 else 0,
-        model_persistence_threshold=zero.model_persistence_threshold,
-        fetch_groups=moe_fetch_groups(spec, zero) if zero.stage == 3 else None,
-    )
+    """``spec`` laid out on ``n`` ranks as ``zero`` partitions it (``zero_layout_options``)."""
+    return build_layout(spec, n, **zero_layout_options(spec, zero))

@@ -14,7 +14,8 @@ from pydantic import BaseModel
 from zeroplan.core.comm import STAGE0_BUCKET
 from zeroplan.core.cublas_workspace import CUBLAS_HANDLES_PER_STEP
 from zeroplan.core.grad_buckets import bucket_sizes, stage0_flatten_elements, stage3_flush_temp_elements
-from zeroplan.core.layout import Layout, Stage3Schedule, stage3_schedule
+from zeroplan.core.layout import Layout
+from zeroplan.core.stage3_schedule import Stage3Schedule, stage3_schedule
 from zeroplan.core.memory_states import optimizer_temp_bytes
 from zeroplan.specs.ds_schema import ZeroConfig
 from zeroplan.specs.training import TrainingSetup

@@ -159,3 +159,22 @@ def test_replays_are_shared_by_layouts_of_the_same_model():
     assert _replayed_calls(one, one, zero, 1, False, frozenset()) is _replayed_calls(two, two, zero, 1, False,
                                                                                        frozenset())
     assert backward_gathered(other, other, frozenset(), **kw) != backward_gathered(one, one, frozenset(), **kw)
+
+
+def test_a_coalesced_prefetchs_flat_buffer_lives_until_its_last_parameter_is_fetched():
+    """partition_parameters.py ``AllGatherCoalescedHandle``: the first wait copies every parameter out, the
+    handle keeps the flat buffer while ``__inflight_param_registry`` still holds it for a parameter not yet
+    fetched (core/stage3_fetch.py ``_Coordinator._waited``)."""
+    from zeroplan.core.stage3_fetch import _Coordinator, micro_step_events
+
+    units = [FetchUnit("a", (0,)), FetchUnit("b", (1,)), FetchUnit("c", (2,))]
+    c = _Coordinator([10, 10, 10], [10, 10, 10], [False] * 3, micro_step_events(units), units, E9, E9, 0)
+    seen: list[tuple[str, str, int, int]] = []
+    c.boundary()
+    c.micro_step(lambda kind, u, phase: seen.append((kind, "root" if u < 0 else units[u].name, c.live, c.flat)))
+    flat = [(kind, name, f) for kind, name, _, f in seen[:8]]
+    # the root's fetch prefetches a, b and c in one call (30 elements in flight); a's fetch waits on it: all three
+    # copied out, the flat buffer kept beside them until c, its last parameter, is fetched
+    assert seen[0] == ("fetch", "root", 30, 0) and seen[1] == ("fetch", "a", 30, 30)
+    assert flat[2:7] == [("release", "a", 30), ("fetch", "b", 30), ("release", "b", 30), ("fetch", "c", 30),
+                         ("release", "c", 0)]

@@ -95,11 +95,17 @@ class _Coordinator:
     cache: dict[tuple[int, int], frozenset[int]] = field(default_factory=dict)
     gathers: list[Gather] = field(default_factory=list)
     # what core/stage3_live.py reads: padded elements of the non-persistent parameters available (gathered
-    # or in flight), the coalesced prefetch each in-flight parameter came in (its elements, when it holds
-    # more than one parameter), and the flat buffer the last fetch waited on beside its parameters' copies
+    # or in flight); the flat buffers of coalesced prefetches already waited on that are still held beside
+    # their parameters' copies (``flat``), of which ``freed`` go once the current fetch ends; and the flat
+    # buffer of a gather the current fetch issued and waited on (``transient``)
     live: int = 0
-    bundle: dict[int, int] = field(default_factory=dict)
+    flat: int = 0
+    freed: int = 0
     transient: int = 0
+    # the coalesced prefetch each in-flight parameter came in (an id of ``bundles``: its elements, members
+    # not yet fetched, waited on) when it holds more than one parameter
+    bundle: dict[int, int] = field(default_factory=dict)
+    bundles: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.trace = [u for kind, u, _, _ in self.events if kind == "fetch"]  # unit per step id; -1 = the root
@@ -115,10 +121,12 @@ class _Coordinator:
 
     def reset_step(self) -> None:
         """``reset_step``: in-flight prefetches released, queue and counters restarted."""
-        for p in sorted(self.inflight):
+        for p in sorted(self.inflight):  # _clean_inflight_param_registry: waited on, released, handles dropped
             self.inflight.discard(p)
             self.bundle.pop(p, None)
             self._release_param(p)
+        self.bundles.clear()
+        self.flat = self.freed = 0
         self.queue = deque((p, sid) for sid, u in enumerate(self.trace) for p in self.params_of(u))
         self.recent: dict[int, int] = {}
         self.step_id = 0
@@ -138,7 +146,9 @@ class _Coordinator:
         if prefetch:
             self.inflight.update(todo)
             if len(todo) > 1:
-                self.bundle.update((p, elements) for p in todo)
+                bid = len(self.gathers)
+                self.bundles[bid] = [elements, len(todo), 0]
+                self.bundle.update((p, bid) for p in todo)
         elif len(todo) > 1:
             # partition_parameters.py AllGatherCoalescedHandle.wait: each parameter is copied out of
             # the flat buffer (torch.cat of its rank slices) while the flat buffer still lives
@@ -149,7 +159,7 @@ class _Coordinator:
     def fetch(self, u: int, phase: str, recompute: bool = False) -> None:
         """``fetch_sub_module`` / ``_fetch_sub_module_impl`` with a complete trace."""
         ps = self.params_of(u)
-        self.transient = 0
+        self._end_hook()
         self._gather(ps, phase, u, False, recompute)
         active, inflight = self.active, self.inflight
         for p in ps:
@@ -158,8 +168,8 @@ class _Coordinator:
                 active[p] = {u}
             else:
                 users.add(u)
-            if p in inflight:  # waited on: a coalesced prefetch is copied out of its flat buffer
-                self.transient = max(self.transient, self.bundle.pop(p, 0))
+            if p in inflight:
+                self._waited(p)
                 inflight.discard(p)
         if phase == "backward" and not recompute:  # fetch_sub_module(forward=False)
             self.backward_units.setdefault(u)
@@ -194,6 +204,30 @@ class _Coordinator:
                 self._gather(chosen, phase, u, True, recompute)
         self.step_id += 1
 
+    def _waited(self, p: int) -> None:
+        """An in-flight parameter fetched: its handle is popped off ``__inflight_param_registry`` and waited on.
+        The first wait copies every parameter of a coalesced prefetch out of its flat buffer
+        (``AllGatherCoalescedHandle.wait``); the handle keeps the buffer (``self.partitions``) while any of its
+        parameters' registry entries holds it, so the buffer is freed only when the last of them is fetched
+        (``fetch_sub_module`` pops them in set order, so every buffer a fetch touches counts at that fetch)."""
+        bid = self.bundle.pop(p, None)
+        if bid is None:
+            return
+        b = self.bundles[bid]
+        if not b[2]:
+            b[2] = 1
+            self.flat += b[0]
+        b[1] -= 1
+        if b[1] == 0:
+            del self.bundles[bid]
+            self.freed += b[0]
+
+    def _end_hook(self) -> None:
+        """A new hook: what the previous fetch waited on and freed is gone, and no gather is being unpacked."""
+        self.transient = 0
+        self.flat -= self.freed
+        self.freed = 0
+
     def _to_release(self, u: int) -> frozenset[int]:
         """``__params_to_release`` (cached per (unit, step id) as DeepSpeed's ``lru_cache``)."""
         key = (u, self.step_id)
@@ -226,7 +260,7 @@ class _Coordinator:
     def release(self, u: int, backward: bool = False) -> None:
         """``release_sub_module``; after a backward (``forward=False``) the unit also releases the
         frozen parameters attributed to it by a recomputation, whatever the reuse distance."""
-        self.transient = 0  # only a fetch waits on a gather
+        self._end_hook()  # only a fetch waits on a gather
         rel = self._to_release(u)
         ps: Iterable[int] = self.params_of(u)
         if backward:
@@ -271,6 +305,8 @@ class _Coordinator:
         self.inflight.clear()
         self.active.clear()
         self.bundle.clear()
+        self.bundles.clear()
+        self.flat = self.freed = 0
         self.available = {p for p in range(len(self.numel)) if self.persistent[p]}
         self.live = 0
 

@@ -10,7 +10,7 @@ buffers and the activations at that moment can be told apart.
     python examples/validation/cpu-replay/peak_live.py STAGE MICRO_BATCH SEQ OUT.json [MODEL]
         [--world N] [--rank R] [--zero '{"reduce_bucket_size": 200000000}'] [--phase backward]
         [--grad-accum G] [--checkpointing full] [--config '{"data_types": {"grad_accum_dtype": "fp32"}}']
-        [--lora R [--lora-targets q_proj,v_proj]]
+        [--lora R [--lora-targets q_proj,v_proj]] [--transformers-hidden H]
 
 ``--world`` sets the data-parallel size (default 8), ``--rank`` the rank measured (default 0; on the
 fake group every rank runs alone, so any one can be), and ``--zero`` adds keys to the zero_optimization
@@ -20,7 +20,8 @@ block (JSON), so a run can put a bucket inside one rank's partition or make a pa
 ``--checkpointing full`` recomputes every decoder layer in the backward (``torch.utils.checkpoint``, as
 transformers' gradient checkpointing calls it), ``--config`` adds top-level keys to the DeepSpeed config, and
 ``--lora R`` trains PEFT-named LoRA adapters of rank R on a frozen base (``runtime/lora.py``; the client AdamW
-gets the trainable parameters only).
+gets the trainable parameters only), and ``--transformers-hidden H`` runs transformers' own implementation of the
+model at hidden H instead of the bundled model (transformers' module tree: Mixtral's fused experts).
 ``bucket_flushes`` lists every gradient-bucket reduction of the measured backward: for stages 1-2 its
 elements and the bytes each flatten copied; for stage 3 how it was reduced (all-reduce or reduce-scatter),
 its elements, and the live bytes when it began and the most while it ran.
@@ -108,14 +109,36 @@ def _record_stage3_flushes(optimizer, flushes: list, active, live_total, live_li
             _wrap(scatter, "reduce_scatter", lambda ps: sum(p.grad.numel() for p in ps)))
 
 
+def _transformers_model(spec, checkpointing: str):
+    """transformers' own implementation of ``spec``'s family at its (scaled) config, in training mode, with
+    transformers' gradient checkpointing where asked."""
+    import transformers
+
+    cfg = dict(spec.hf_config)
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.train()
+    if checkpointing == "full":
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b", world: int = 8,
          zero: dict | None = None, phase: str | None = None, rank: int = 0, grad_accum: int = 1,
-         checkpointing: str = "none", extra: dict | None = None, lora: dict | None = None) -> None:
+         checkpointing: str = "none", extra: dict | None = None, lora: dict | None = None,
+         hf_hidden: int | None = None) -> None:
     import deepspeed
 
     N = world
     torch.set_num_threads(2)
-    spec = scaled_spec(load_model(model_name), layers=LAYERS, hidden=None, vocab=None, experts=None)
+    spec = scaled_spec(load_model(model_name), layers=LAYERS, hidden=hf_hidden, vocab=None, experts=None)
     _, fake_store = _private_apis()
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(N), "LOCAL_WORLD_SIZE": str(N),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
@@ -165,7 +188,10 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
 
     with tr:
         tr.phase = "step"
-        model = build_model(spec, "fp32", "cpu", seed=0, checkpointing=checkpointing)
+        if hf_hidden is not None:
+            model = _transformers_model(spec, checkpointing)
+        else:
+            model = build_model(spec, "fp32", "cpu", seed=0, checkpointing=checkpointing)
         if lora:
             from zeroplan.runtime.lora import apply_finetune
             from zeroplan.specs.finetune import FineTune, LoraSpec
@@ -187,7 +213,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
             for micro in range(grad_accum):  # engine.step() steps the optimizer at the last micro-step only
                 ids = torch.randint(0, spec.vocab_size, (mb, seq))
                 tr.phase, tr.micro = "forward", micro
-                loss = engine(ids)
+                loss = engine(input_ids=ids, labels=ids).loss if hf_hidden is not None else engine(ids)
                 tr.phase = "backward"
                 engine.backward(loss)
                 tr.phase = "step"
@@ -198,6 +224,7 @@ def main(stage: int, mb: int, seq: int, out: str, model_name: str = "llama-2-7b"
                         "python": platform.python_version()},
         "command": "python examples/validation/cpu-replay/peak_live.py " + " ".join(sys.argv[1:]),
         "inputs": {"model": model_name, "layers": LAYERS, "rank": rank, "world": N, "stage": stage,
+                   "transformers": {"hidden": hf_hidden, "version": _transformers_version()} if hf_hidden else None,
                    "micro_batch": mb, "seq_len": seq, "grad_accum": grad_accum, "precision": "bf16", "zero": zero or {},
                    "checkpointing": checkpointing, "config": extra or {}, "lora": lora,
                    "phase": phase or "all"},
@@ -229,7 +256,9 @@ if __name__ == "__main__":
     ap.add_argument("--config", type=json.loads, default=None, help="extra top-level DeepSpeed config keys (JSON)")
     ap.add_argument("--lora", type=int, default=None, help="LoRA rank: adapters on a frozen base (default: full)")
     ap.add_argument("--lora-targets", default="q_proj,v_proj", help="LoRA target modules (default q_proj,v_proj)")
+    ap.add_argument("--transformers-hidden", type=int, default=None,
+                    help="run transformers' implementation (not the bundled model) at this hidden size")
     a = ap.parse_args()
     main(a.stage, a.micro_batch, a.seq, a.out, a.model, a.world, a.zero, a.phase, a.rank, a.grad_accum,
          a.checkpointing, a.config,
-         {"r": a.lora, "targets": a.lora_targets.split(",")} if a.lora else None)
+         {"r": a.lora, "targets": a.lora_targets.split(",")} if a.lora else None, a.transformers_hidden)

@@ -72,3 +72,29 @@ def test_coalesced_prefetch_buffers_outlive_their_first_wait():
     assert flats == prefetches == [124256256, 181403648, 188219392]
     copied = {e["parameter"] for e in rep["live_over_1_MiB"] if e["parameter"]}
     assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"} <= copied
+
+
+# transformers' implementation of every other catalog family (2 layers at hidden 1024; GPT-2 keeps its 768), ZeRO-3
+# and ZeRO-2, the step's peak (always the backward): plan / DeepSpeed - 1, as measured on 2026-11-28
+FAMILIES = {
+    ("llama-3-8b", 3): 0.0, ("qwen2-7b", 3): 0.0, ("gemma-7b", 3): 0.0, ("phi-2", 3): 0.0, ("phi-3-mini", 3): 0.0,
+    ("gpt-neox-20b", 3): 0.0, ("mistral-7b", 3): 0.0,
+    # GPT-2 passes dropout to SDPA and Falcon a mask: torch's CPU SDPA then runs its math kernel, which keeps the
+    # fp32 attention probabilities (12.6 and 67.1 MB tensors in these runs) that a GPU's fused kernels do not.
+    # The plan assumes the fused kernels. Planned with eager attention instead, GPT-2's ZeRO-2 run is exact and its
+    # ZeRO-3 run 2.4% low. Falcon's is 3.6% low: not yet explained (a known gap)
+    ("gpt2", 3): -0.046, ("falcon-7b", 3): -0.0347,
+    # ZeRO-2 stands the gradient bucket beside the whole top layer's backward, where DeepSpeed allocates it at the
+    # first gradient hook partway through it (as with the bundled model: cpu-replay/README.md)
+    ("llama-3-8b", 2): 0.0279, ("qwen2-7b", 2): 0.0299, ("gemma-7b", 2): 0.0, ("phi-2", 2): 0.0190,
+    ("phi-3-mini", 2): 0.0151, ("gpt-neox-20b", 2): 0.0188, ("mistral-7b", 2): 0.0154, ("gpt2", 2): 0.0922,
+    ("falcon-7b", 2): 0.0435,
+}
+
+
+@pytest.mark.parametrize("model,stage", sorted(FAMILIES))
+def test_transformers_families(model, stage):
+    rep = json.loads((REPLAY / f"peak-live-hf-{model}-h1024-stage{stage}-b1-s512.json").read_text())
+    assert rep["peak_phase"] == "backward"
+    error = _plan(rep).memory.phases["backward"].peak / rep["peak_bytes"] - 1
+    assert abs(error - FAMILIES[model, stage]) < 0.001, error

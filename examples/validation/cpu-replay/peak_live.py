@@ -259,6 +259,8 @@ if __name__ == "__main__":
     ap.add_argument("--transformers-hidden", type=int, default=None,
                     help="run transformers' implementation (not the bundled model) at this hidden size")
     a = ap.parse_args()
+    if a.lora and a.transformers_hidden:
+        ap.error("--lora adapts the bundled model only; drop --transformers-hidden or --lora")
     main(a.stage, a.micro_batch, a.seq, a.out, a.model, a.world, a.zero, a.phase, a.rank, a.grad_accum,
          a.checkpointing, a.config,
          {"r": a.lora, "targets": a.lora_targets.split(",")} if a.lora else None, a.transformers_hidden)

@@ -46,7 +46,7 @@ def _plan(rep: dict):
     ("peak-live-hf-llama-h1024-stage3-forward-b1-s512.json", "forward", -1e-5, 1e-5),
     ("peak-live-hf-mixtral-h1024-stage3-b1-s512.json", "forward", 0.015, 0.02),
     ("peak-live-hf-mixtral-h1024-stage3-ckpt-b1-s512.json", "forward", 0.11, 0.12),
-    ("peak-live-hf-mixtral-h1024-stage2-b1-s512.json", "backward", 0.025, 0.03),
+    ("peak-live-hf-mixtral-h1024-stage2-b1-s512.json", "backward", -1e-5, 1e-5),
 ])
 def test_the_plan_against_deepspeed_on_transformers_models(name, phase, lo, hi):
     rep = json.loads((REPLAY / name).read_text())
@@ -84,11 +84,12 @@ FAMILIES = {
     # do not; the plan assumes the fused kernels. Less those tensors the plan is 0.04% below GPT-2's peak and 3.8%
     # above Falcon's (test_cpu_attention_probabilities_explain_gpt2_and_falcon)
     ("gpt2", 3): -0.046, ("falcon-7b", 3): -0.0347,
-    # ZeRO-2 stands the gradient bucket beside the whole top layer's backward, where DeepSpeed allocates it at the
-    # first gradient hook partway through it (as with the bundled model: cpu-replay/README.md)
-    ("llama-3-8b", 2): 0.0279, ("qwen2-7b", 2): 0.0299, ("gemma-7b", 2): 0.0, ("phi-2", 2): 0.0190,
-    ("phi-3-mini", 2): 0.0151, ("gpt-neox-20b", 2): 0.0188, ("mistral-7b", 2): 0.0154, ("gpt2", 2): 0.0922,
-    ("falcon-7b", 2): 0.0435,
+    # ZeRO-2 peaks at the epilogue's flush, the only one here (the whole 2-layer model fits one bucket), before
+    # copy_grads_in_partition allocates the gradient partition (+1.5% to +3.0% while the plan stacked them)
+    ("llama-3-8b", 2): 0.0, ("qwen2-7b", 2): 0.0, ("gemma-7b", 2): 0.0, ("phi-2", 2): 0.0, ("phi-3-mini", 2): 0.0,
+    ("gpt-neox-20b", 2): 0.0, ("mistral-7b", 2): 0.0,
+    # planned with the fused attention kernels against CPU SDPA's math kernel (above); GPT-2 planned eager is exact
+    ("gpt2", 2): 0.0922, ("falcon-7b", 2): 0.0435,
 }
 
 

@@ -216,8 +216,14 @@ def _stage2(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
     before_embed = kept[len(flushes) - 1] if by_embed else kept[len(flushes)]
     for what, flush, autograd in _embedding_moments(hg, b_p, embed_extra):
         out.append(moment(what, flush, "none", grads=grads, autograd=autograd + before_embed))
-    out.append(moment("backward end (epilogue flush)", extra[-1], "none", grads=grads_end,
+    # copy_grads_in_partition allocates grads_in_partition after the first flush's reduction: where the epilogue's
+    # flush is the first, after it (its flatten copy freed by then)
+    first = not flushes
+    out.append(moment("backward end (epilogue flush)", extra[-1], "none", grads=0 if first else grads_end,
                       autograd=kept[len(flushes)]))
+    if first:
+        out.append(moment("after the epilogue flush (grads_in_partition allocated)", (0, 0), "none", grads=grads_end,
+                          autograd=kept[-1]))
     return out
 
 

@@ -150,3 +150,33 @@ def test_the_note_says_what_is_gathered_and_reduced_together():
     assert "fuses them" in fused and "1.75 GiB of gradients" in fused  # 16 x 112 MiB
     assert moe_leaf_note(mixtral, ZeroConfig(stage=2), 2, 2) is None
     assert moe_leaf_note(load_model("llama-3-8b"), ZeroConfig(stage=3), 2, 2) is None
+
+
+def test_check_offers_fetching_the_moe_block_apart_when_memory_is_short(tmp_path):
+    """ZP304: Mixtral-8x7B on 16 H100s at 4,096 tokens with full checkpointing peaks at 72.21 GB with the
+    default leaf blocks and 70.29 GB without them; with 16% kept free only the second fits."""
+    from typer.testing import CliRunner
+
+    from zeroplan.cli import app
+
+    cfg = tmp_path / "z3.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                               "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}))
+
+    def findings(headroom: str, extra: dict | None = None) -> dict:
+        if extra:
+            cfg.write_text(json.dumps({**json.loads(cfg.read_text()), **extra}))
+        r = CliRunner().invoke(app, ["check", str(cfg), "--model", "mixtral-8x7b", "--hardware", "dgx-h100", "--gpus",
+                                     "16", "--seq-len", "4096", "--checkpointing", "full", "--headroom", headroom,
+                                     "--format", "json"])
+        assert r.exit_code in (0, 1), r.output
+        return {f["rule_id"]: f for f in json.loads(r.stdout)["files"][0]["findings"]}
+
+    zp = findings("0.16")["ZP304"]
+    assert zp["severity"] == "warning" and zp["key"] == "zero_optimization.leaf_module"
+    assert "72.21 GB" in zp["message"] and "70.29 GB" in zp["message"] and '"classes": []' in zp["message"]
+    (alt,) = zp["alternatives"]
+    assert alt["change"] == {"leaf_module": "none"} and alt["after"] < alt["before"] and alt["fits"]
+    assert "ZP304" not in findings("0.10")  # fits as it is
+    # already without leaf classes: nothing to offer
+    assert "ZP304" not in findings("0.16", {"zero_optimization": {"stage": 3, "leaf_module": {"classes": []}}})

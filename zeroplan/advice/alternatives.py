@@ -84,6 +84,8 @@ def apply_change(inp: PlanInputs, zero: ZeroConfig, training: TrainingSetup, hw:
         z_upd["reduce_scatter"] = bool(change["reduce_scatter"])
     if "prefetch_bucket_size" in change:
         z_upd["prefetch_bucket_size"] = int(change["prefetch_bucket_size"])
+    if change.get("leaf_module") == "none":  # zero_optimization.leaf_module with no classes, names or suffixes
+        z_upd["leaf_module"] = {"classes": [], "names": [], "name_suffixes": []}
     if "offload_optimizer" in change:
         z_upd["offload_optimizer"] = zero.offload_optimizer.model_copy(update={"device": change["offload_optimizer"]})
     if "offload_param" in change:

@@ -20,6 +20,7 @@ stage on the given model and hardware:
 | ZP301 | info / warning  | stage 3 where stage 1 or 2 fits with the minimum headroom (warning when that lower stage is >= 5% faster) |
 | ZP302 | warning         | offload where the same stage fits without it (offload costs PCIe time every step) |
 | ZP303 | warning         | stage 3: the GPU waits >= 5% of the step for DeepSpeed's module hooks on the host (twice the micro-batch evaluated) |
+| ZP304 | warning         | stage 3, MoE blocks as ZeRO-3 leaf modules (DeepSpeed's default): does not fit with the headroom, but fits with ``leaf_module: {"classes": []}`` |
 
 "Fits" for ZP204/ZP301/ZP302 means peak <= GPU memory × (1 − min_headroom) and host RAM fits.
 Exit codes (commands/check.py): 0 pass, 1 a finding at or above ``fail_on``, 2 bad input.

@@ -5,7 +5,8 @@
 - communication (``comm_rules``): ZP201 exposed share, ZP202 ZeRO-3 over Ethernet, ZP203
   latency-bound gradient buckets, ZP205 stage 3 all-reducing its gradient buckets;
 - stage choice (``stage_rules``): ZP204 stage 2 with large accumulation, ZP301 stage 3 where a
-  lower stage fits, ZP302 offload where it is not needed, ZP303 stage 3 waiting for its host hooks.
+  lower stage fits, ZP302 offload where it is not needed, ZP303 stage 3 waiting for its host hooks, ZP304
+  MoE blocks as ZeRO-3 leaves where the memory is short.
 
 Each rule reports through ``add(rule, severity, reason, key, value, alternatives=...)``; every
 suggested change is evaluated (``AdviceContext.try_change``) before it is claimed.
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from zeroplan.advice.alternatives import NDR_GBPS_PER_GPU, AdviceContext, bucket_latency_share, comm_remedies, is_ethernet
+from zeroplan.advice.alternatives import (
+    NDR_GBPS_PER_GPU, AdviceContext, bucket_latency_share, comm_remedies, fits_with_headroom, is_ethernet,
+)
 from zeroplan.advice.reasons import (
     MEANINGFUL, Quantity, join_reasons, qbytes, qbytes_gib, qcount, qfraction, qseconds, qtokens, reason,
 )
+from zeroplan.core.moe_leaf import moe_leaf_units
 from zeroplan.core.plan import Plan
 
 __all__ = ["CHECK_RULES", "PREFETCH_SMALL", "BUCKET_LARGE", "capacity_rules", "comm_rules", "stage_rules"]
@@ -40,6 +44,7 @@ CHECK_RULES: dict[str, tuple[str, str]] = {
     "ZP301": ("info", "stage 3 only where needed"),
     "ZP302": ("warning", "offload only where needed"),
     "ZP303": ("warning", "stage-3 step not host-bound"),
+    "ZP304": ("warning", "MoE leaf blocks fit stage 3's memory"),
 }
 
 PREFETCH_SMALL = 10_000_000  # stage3_prefetch_bucket_size tried for ZP102, elements (as recommend's search)
@@ -220,6 +225,7 @@ def stage_rules(ctx: AdviceContext, plan: Plan, add: Add) -> None:
                     f"{z}.stage", stage, alternatives=[a])
     if stage == 3:
         _host_bound(ctx, plan, add)
+        _moe_leaf(ctx, plan, add)
     if plan.offload_optimizer != "none" or plan.offload_param != "none":
         a = ctx.try_change({"offload_optimizer": "none", "offload_param": "none"}, "tokens_per_s", "not_lower")
         if a.holds:
@@ -249,3 +255,22 @@ def _host_bound(ctx: AdviceContext, plan: Plan, add: Add) -> None:
                wait=_S(t.host_bound_s), step=_S(t.step_time_s), host=_S(t.host_time_s), mb2=_N(2 * mb),
                after=_T(a.after), before=_T(a.before), peak=_B(a.after_peak_bytes))
     add("ZP303", "warning", r, "train_micro_batch_size_per_gpu", mb, alternatives=[a])
+
+
+def _moe_leaf(ctx: AdviceContext, plan: Plan, add: Add) -> None:
+    """ZP304: an MoE model whose sparse blocks are ZeRO-3 leaf modules (core/moe_leaf.py: each block gathered
+    whole and its gradients held together at its backward hook) does not fit with the headroom, and without
+    leaf modules (router and fused experts fetched apart) it does."""
+    if not moe_leaf_units(ctx.inp.spec, ctx.zero) or fits_with_headroom(plan, ctx.min_headroom):
+        return
+    a = ctx.try_change({"leaf_module": "none"}, "peak_bytes", "lower")
+    if not a.fits:
+        return
+    alt = ctx.plan({"leaf_module": "none"})
+    r = reason("the {model} MoE blocks are ZeRO-3 leaf modules (DeepSpeed's default zero_optimization.leaf_module "
+               "classes): each is gathered whole and its gradients are held together at its backward hook, so the peak "
+               "is {before}; with \"leaf_module\": {{\"classes\": []}} the router and the fused experts are fetched apart, "
+               "the peak is {after} and fits, at {t1} vs {t2} (more fetches, more host time)",
+               model=ctx.inp.spec.model_type, before=_BG(plan.memory.peak), after=_BG(a.after_peak_bytes),
+               t1=_T(alt.tokens_per_s), t2=_T(plan.tokens_per_s))
+    add("ZP304", "warning", r, "zero_optimization.leaf_module", "default", alternatives=[a])

@@ -267,8 +267,8 @@ def _moe_leaf(ctx: AdviceContext, plan: Plan, add: Add) -> None:
     if not a.fits:
         return
     alt = ctx.plan({"leaf_module": "none"})
-    r = reason("the {model} MoE blocks are ZeRO-3 leaf modules (DeepSpeed's default zero_optimization.leaf_module "
-               "classes): each is gathered whole and its gradients are held together at its backward hook, so the peak "
+    r = reason("the {model} MoE blocks are ZeRO-3 leaf modules (zero_optimization.leaf_module; DeepSpeed's default "
+               "classes include them): each is gathered whole and its gradients are held together at its backward hook, so the peak "
                "is {before}; with \"leaf_module\": {{\"classes\": []}} the router and the fused experts are fetched apart, "
                "the peak is {after} and fits, at {t1} vs {t2} (more fetches, more host time)",
                model=ctx.inp.spec.model_type, before=_BG(plan.memory.peak), after=_BG(a.after_peak_bytes),

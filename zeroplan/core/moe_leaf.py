@@ -168,7 +168,7 @@ def moe_leaf_note(spec: ModelSpec, zero: ZeroConfig, param_bytes: int, grad_byte
         return None
     fetched, held = got
     leaf = moe_block_is_leaf(spec, zero, next(iter(_blocks(spec).values())))
-    what = ("the whole sparse MoE block (a zero_optimization.leaf_module class)" if leaf else
+    what = ("the whole sparse MoE block (a ZeRO-3 leaf module: zero_optimization.leaf_module)" if leaf else
             "every expert at once (transformers fuses them into one module)")
     how = ("reduces the block's gradients together after its backward (stage3.py reduce_leaf_module_grads)" if leaf
            else "reduces the fused gate_up_proj as one gradient")

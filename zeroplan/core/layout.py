@@ -431,8 +431,9 @@ def _fetch_units(spec: ModelSpec, tensors: list[Tensor], groups: dict[str, str],
         if groups.get(t.module, t.module) not in params:
             order.append(t.module)
             params[t.module] = [i]
+    fused = {index[n] for n in set(renamed.values()) if n in index}  # transformers' fused expert parameters
     return [FetchUnit(m, tuple(sorted(params[m])), grad_input=m not in ids_input, layer=layer.get(m),
-                      expert=m in expert) for m in order if params[m]]
+                      expert=m in expert, saved_views=not fused.isdisjoint(params[m])) for m in order if params[m]]
 
 
 def zero_layout_options(spec: ModelSpec, zero: ZeroConfig) -> dict:

@@ -62,6 +62,9 @@ class FetchUnit:
     backward: bool = True  # its output needs a gradient: fetched again in backward
     layer: int | None = None  # the transformer layer it belongs to (what full checkpointing recomputes)
     expert: bool = False  # an MoE expert's module (its layer ends in tensor-saving routing ops)
+    # autograd saves views of its gathered parameters (transformers 5's fused experts: grouped_mm on
+    # ``weight.transpose(-2, -1)``), so a release after its forward frees nothing until its backward
+    saved_views: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,11 @@ class _Coordinator:
     # not yet fetched, waited on) when it holds more than one parameter
     bundle: dict[int, int] = field(default_factory=dict)
     bundles: dict[int, list[int]] = field(default_factory=dict)
+    # elements released after a forward that autograd still holds through saved views, per unit, and in all;
+    # ``saves_forward`` False: full checkpointing, whose first forward of a layer saves nothing
+    retained: dict[int, int] = field(default_factory=dict)
+    autograd_held: int = 0
+    saves_forward: bool = True
 
     def __post_init__(self) -> None:
         self.trace = [u for kind, u, _, _ in self.events if kind == "fetch"]  # unit per step id; -1 = the root
@@ -127,6 +135,7 @@ class _Coordinator:
             self._release_param(p)
         self.bundles.clear()
         self.flat = self.freed = 0
+        self._drop_retained()
         self.queue = deque((p, sid) for sid, u in enumerate(self.trace) for p in self.params_of(u))
         self.recent: dict[int, int] = {}
         self.step_id = 0
@@ -257,10 +266,18 @@ class _Coordinator:
             if not self.persistent[p]:
                 self.live -= self.padded[p]
 
-    def release(self, u: int, backward: bool = False) -> None:
+    def release(self, u: int, backward: bool = False, recompute: bool = False) -> None:
         """``release_sub_module``; after a backward (``forward=False``) the unit also releases the
-        frozen parameters attributed to it by a recomputation, whatever the reuse distance."""
+        frozen parameters attributed to it by a recomputation, whatever the reuse distance. What a unit
+        with ``saved_views`` releases after a forward that saves tensors stays held by autograd until its
+        backward ends (measured: tests/test_transformers_replays.py)."""
         self._end_hook()  # only a fetch waits on a gather
+        if backward:
+            self.autograd_held -= self.retained.pop(u, 0)
+        unit = self.units[u] if u >= 0 else None
+        keep = (not backward and unit is not None and unit.saved_views
+                and (recompute or self.saves_forward or unit.layer is None))
+        before = self.live
         rel = self._to_release(u)
         ps: Iterable[int] = self.params_of(u)
         if backward:
@@ -276,6 +293,13 @@ class _Coordinator:
                 users.discard(u)
             if p in rel:
                 self._release_param(p)
+        if keep and self.live < before:
+            self.retained[u] = self.retained.get(u, 0) + before - self.live
+            self.autograd_held += before - self.live
+
+    def _drop_retained(self) -> None:
+        self.retained.clear()
+        self.autograd_held = 0
 
     def leftovers(self) -> None:
         """``release_backward_leftovers``: backward units whose post-backward hook never ran (LIFO)."""
@@ -286,6 +310,7 @@ class _Coordinator:
                 self.active.get(p, set()).discard(u)
                 if not self.persistent[p]:
                     self._release_param(p)
+        self._drop_retained()  # the backward is over: autograd has freed what it saved
 
     def micro_step(self, observe: Callable[[str, int, str], None] | None = None) -> None:
         """One forward and backward with a complete trace: the hooks' events in order (``observe``
@@ -295,7 +320,7 @@ class _Coordinator:
             if kind == "fetch":
                 self.fetch(u, phase, recompute)
             else:
-                self.release(u, backward=phase == "backward" and not recompute)
+                self.release(u, backward=phase == "backward" and not recompute, recompute=recompute)
             if observe is not None:
                 observe(kind, u, phase)
         self.leftovers()
@@ -307,6 +332,7 @@ class _Coordinator:
         self.bundle.clear()
         self.bundles.clear()
         self.flat = self.freed = 0
+        self._drop_retained()
         self.available = {p for p in range(len(self.numel)) if self.persistent[p]}
         self.live = 0
 

@@ -113,7 +113,7 @@ def _gathered(inputs: ReplayInputs, max_live: int, prefetch_bucket: int, max_reu
     numel, padded, persistent, units, frozen = inputs
     events = micro_step_events(list(units), recompute_layers)
     c = _Coordinator(list(numel), list(padded), list(persistent), events, list(units), max_live, prefetch_bucket,
-                     max_reuse, frozen=list(frozen))
+                     max_reuse, frozen=list(frozen), saves_forward=not recompute_layers)
     c.boundary()
     c.micro_step()  # the warm-up step fills __params_to_release's cache as DeepSpeed's first one does
     c.boundary()
@@ -123,8 +123,8 @@ def _gathered(inputs: ReplayInputs, max_live: int, prefetch_bucket: int, max_reu
 
     def observe(kind: str, u: int, phase: str) -> None:
         nonlocal forward_end
-        now = c.live + c.flat + c.transient
-        held = c.live + c.flat - c.freed  # what stays once this hook is done
+        now = c.live + c.flat + c.transient + c.autograd_held
+        held = c.live + c.flat - c.freed + c.autograd_held  # what stays once this hook is done
         layer = units[u].layer if u >= 0 else None
         if phase == "backward":
             bwd.see(layer, now, held)

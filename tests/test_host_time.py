@@ -165,12 +165,14 @@ def test_lora_fetch_counts_are_deepspeeds_live(ckpt):
     not fetched in backward (24 of 29); with it transformers' enable_input_require_grads makes every
     output need a gradient (55 = 29 + the recomputation's 26)."""
     from zeroplan.core.finetune import backward_skips, finetune_views
+    from zeroplan.core.stage3_live import replay_inputs
     from zeroplan.specs.finetune import FineTune, LoraSpec
 
     measured = _live_lora_counts()[ckpt]
     views = finetune_views(_tiny("llama", 2), FineTune(method="lora", lora=LoraSpec(r=4, targets=("q_proj", "v_proj"))),
                            2)
-    units = zero_layout(views.full, 1, ZeroConfig(stage=3)).units
-    planned = stage3_fetches(tuple(units), ckpt, backward_skips(views, "full" if ckpt else "none"))
+    layout = zero_layout(views.full, 1, ZeroConfig(stage=3))
+    units = replay_inputs(layout, layout, backward_skips(views, "full" if ckpt else "none"))[3]  # backward flags
+    planned = stage3_fetches(units, ckpt)
     assert planned == {ph: measured[ph]["owning_params"] for ph in ("forward", "backward")}
     assert planned["backward"] == (55 if ckpt else 24)

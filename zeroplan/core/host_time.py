@@ -24,7 +24,6 @@ the GPU). A count-only spec (``--model 7B``) has no modules to count and gets no
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from functools import lru_cache
 
 from zeroplan.core.stage3_fetch import FetchUnit, micro_step_events
@@ -44,12 +43,9 @@ STAGE3_FETCH_HOST_SOURCE = (
     "measured on CPU (examples/validation/stage3-host/): a lower bound on a GPU node")
 
 
-def stage3_fetches(units: Sequence[FetchUnit], recompute_layers: bool,
-                   no_backward: frozenset[str] = frozenset()) -> dict[str, int]:
-    """Fetches of parameter-owning modules per micro-step, by phase (the root has no parameters).
-    ``no_backward``: modules whose output needs no gradient (core/finetune.py ``backward_skips``)."""
-    if no_backward:
-        units = [replace(u, backward=u.name not in no_backward) for u in units]
+def stage3_fetches(units: Sequence[FetchUnit], recompute_layers: bool) -> dict[str, int]:
+    """Fetches of parameter-owning modules per micro-step, by phase (the root has no parameters). A unit
+    whose output needs no gradient carries ``backward=False`` (core/stage3_live.py ``replay_inputs``)."""
     out = {"forward": 0, "backward": 0}
     for kind, unit, phase, _recompute in micro_step_events(list(units), recompute_layers=recompute_layers):
         if kind == "fetch" and unit >= 0:

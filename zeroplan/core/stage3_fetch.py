@@ -109,10 +109,9 @@ class _Coordinator:
     # not yet fetched, waited on) when it holds more than one parameter
     bundle: dict[int, int] = field(default_factory=dict)
     bundles: dict[int, list[int]] = field(default_factory=dict)
-    # elements released after a forward that autograd still holds through saved views, per unit, and in all;
+    # elements released after a forward that autograd still holds through saved views, per unit;
     # ``saves_forward`` False: full checkpointing, whose first forward of a layer saves nothing
     retained: dict[int, int] = field(default_factory=dict)
-    autograd_held: int = 0
     saves_forward: bool = True
 
     def __post_init__(self) -> None:
@@ -135,7 +134,7 @@ class _Coordinator:
             self._release_param(p)
         self.bundles.clear()
         self.flat = self.freed = 0
-        self._drop_retained()
+        self.retained.clear()
         self.queue = deque((p, sid) for sid, u in enumerate(self.trace) for p in self.params_of(u))
         self.recent: dict[int, int] = {}
         self.step_id = 0
@@ -273,7 +272,7 @@ class _Coordinator:
         backward ends (measured: tests/test_transformers_replays.py)."""
         self._end_hook()  # only a fetch waits on a gather
         if backward:
-            self.autograd_held -= self.retained.pop(u, 0)
+            self.retained.pop(u, None)
         unit = self.units[u] if u >= 0 else None
         keep = (not backward and unit is not None and unit.saved_views
                 and (recompute or self.saves_forward or unit.layer is None))
@@ -295,11 +294,11 @@ class _Coordinator:
                 self._release_param(p)
         if keep and self.live < before:
             self.retained[u] = self.retained.get(u, 0) + before - self.live
-            self.autograd_held += before - self.live
 
-    def _drop_retained(self) -> None:
-        self.retained.clear()
-        self.autograd_held = 0
+    @property
+    def autograd_held(self) -> int:
+        """Elements released by DeepSpeed that autograd still holds (``retained``)."""
+        return sum(self.retained.values())
 
     def leftovers(self) -> None:
         """``release_backward_leftovers``: backward units whose post-backward hook never ran (LIFO)."""
@@ -310,7 +309,7 @@ class _Coordinator:
                 self.active.get(p, set()).discard(u)
                 if not self.persistent[p]:
                     self._release_param(p)
-        self._drop_retained()  # the backward is over: autograd has freed what it saved
+        self.retained.clear()  # the backward is over: autograd has freed what it saved
 
     def micro_step(self, observe: Callable[[str, int, str], None] | None = None) -> None:
         """One forward and backward with a complete trace: the hooks' events in order (``observe``
@@ -332,7 +331,7 @@ class _Coordinator:
         self.bundle.clear()
         self.bundles.clear()
         self.flat = self.freed = 0
-        self._drop_retained()
+        self.retained.clear()
         self.available = {p for p in range(len(self.numel)) if self.persistent[p]}
         self.live = 0
 

@@ -10,11 +10,13 @@ finishes a module's kernels before the host has issued the next ones, and waits.
 
 The count of fetches is DeepSpeed's own (core/stage3_fetch.py ``micro_step_events``: one per call of
 a module that owns parameters, the recomputed forward of full checkpointing included). The time per
-fetch was measured on DeepSpeed itself (examples/validation/stage3-host/: transformers Llama and
-GPT-2, stage 3 minus stage 0, per layer, divided by the fetches per layer; the per-fetch figure
-folds in the hooks of the layer's modules without parameters). It is a lower bound for a GPU node:
-it was measured on CPU, where DeepSpeed's stream and event calls are no-ops and no kernel is
-launched, and on a 2-core VM.
+fetch was measured on DeepSpeed itself on a GPU node (examples/validation/gpu/h200-2026-11-28/
+stage3-host-cuda.json: one H200 and 16 cores of a Xeon VM; transformers Llama and GPT-2, stage 3 minus
+stage 0, per layer, divided by the fetches per layer; the per-fetch figure folds in the hooks of the
+layer's modules without parameters). There DeepSpeed's stream, event and allocation calls are real; the
+same measurement on CPU (examples/validation/stage3-host/run*.json), where they are no-ops, gave 0.38-0.42x
+of it. At world size 1 each fetch also synchronises the stream (``NoGatherHandle.wait``), a few tens
+of microseconds of the figure that a multi-rank job does not pay.
 
 A phase (forward, backward) then takes the longer of the GPU's time (compute + exposed
 communication + the overlap slowdown) and the host's (``host_bound_s``: what the host adds beyond
@@ -34,13 +36,13 @@ __all__ = ["STAGE3_FETCH_HOST_S", "STAGE3_FETCH_HOST_SOURCE", "stage3_fetches", 
 
 # Host seconds per fetch of a parameter-owning module, by phase (recomputed forwards count as
 # backward: they run inside it). The mean over transformers' Llama and GPT-2, with and without
-# checkpointing, of two runs of DeepSpeed 0.19.8 (examples/validation/stage3-host/run*.json,
-# `per_fetch`; tests/test_host_time.py recomputes it). The runs spread from 0.18 to 0.53 ms: GPT-2
-# has more modules without parameters per fetch, and the VM's speed varies.
-STAGE3_FETCH_HOST_S = {"forward": 3.23e-4, "backward": 2.72e-4}
+# checkpointing, of DeepSpeed 0.19.8 on one H200 (stage3-host-cuda.json ``per_fetch``;
+# tests/test_host_time.py recomputes it). The four figures spread from 0.52 to 1.11 ms: GPT-2 has more
+# modules without parameters per fetch.
+STAGE3_FETCH_HOST_S = {"forward": 7.77e-4, "backward": 7.09e-4}
 STAGE3_FETCH_HOST_SOURCE = (
-    "0.32 ms per forward and 0.27 ms per backward fetch of a module (0.18-0.53 over the runs), DeepSpeed 0.19.8 "
-    "measured on CPU (examples/validation/stage3-host/): a lower bound on a GPU node")
+    "0.78 ms per forward and 0.71 ms per backward fetch of a module (0.52-1.11 over the runs), DeepSpeed 0.19.8 "
+    "measured on an H200 node (examples/validation/gpu/h200-2026-11-28/stage3-host-cuda.json)")
 
 
 def stage3_fetches(units: Sequence[FetchUnit], recompute_layers: bool) -> dict[str, int]:

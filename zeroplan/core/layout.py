@@ -72,8 +72,8 @@ class Layout:
         on first use: only stage 3's DeepSpeed ledger reads them, and they cost as much as the rest of
         the layout."""
         if "units" not in self._memo:
-            self._memo["units"] = (_fetch_units(self._spec, self.tensors, self._groups, self._renamed)
-                                   if self._spec is not None else [])
+            self._memo["units"] = (_fetch_units(self._spec, self.tensors, self._groups, self._renamed,
+                                                self._leaf_units) if self._spec is not None else [])
         return self._memo["units"]
 
     def no_backward_units(self, no_backward: frozenset[str]) -> frozenset[str]:
@@ -401,12 +401,12 @@ _ID_INPUT_ROLES = ("embed", "pos_embed")
 
 
 def _fetch_units(spec: ModelSpec, tensors: list[Tensor], groups: dict[str, str],
-                 renamed: dict[str, str]) -> list[FetchUnit]:
+                 renamed: dict[str, str], leaf_units: frozenset[str]) -> list[FetchUnit]:
     """One unit per spec module in spec (call) order: its own tensors plus the ones it reads through a
     tie (a tied lm head reads the embedding's parameter); its layer (what full checkpointing
     recomputes) and whether it is an MoE expert's. Modules ``groups`` maps to one name are one unit
     (transformers 5's fused experts, a ZeRO-3 leaf block: core/moe_leaf.py), at the first one's place;
-    ``renamed`` gives a fused checkpoint tensor's parameter."""
+    ``renamed`` gives a fused checkpoint tensor's parameter; ``leaf_units`` are ZeRO-3 leaf modules."""
     index = {t.name: i for i, t in enumerate(tensors)}
     order: list[str] = []
     params: dict[str, list[int]] = {}
@@ -433,7 +433,8 @@ def _fetch_units(spec: ModelSpec, tensors: list[Tensor], groups: dict[str, str],
             params[t.module] = [i]
     fused = {index[n] for n in set(renamed.values()) if n in index}  # transformers' fused expert parameters
     return [FetchUnit(m, tuple(sorted(params[m])), grad_input=m not in ids_input, layer=layer.get(m),
-                      expert=m in expert, saved_views=not fused.isdisjoint(params[m])) for m in order if params[m]]
+                      expert=m in expert, saved_views=not fused.isdisjoint(params[m]), leaf=m in leaf_units)
+            for m in order if params[m]]
 
 
 def zero_layout_options(spec: ModelSpec, zero: ZeroConfig) -> dict:

@@ -65,6 +65,9 @@ class FetchUnit:
     # autograd saves views of its gathered parameters (transformers 5's fused experts: grouped_mm on
     # ``weight.transpose(-2, -1)``), so a release after its forward frees nothing until its backward
     saved_views: bool = False
+    # a ZeRO-3 leaf module (zero_optimization.leaf_module): DeepSpeed fetches and releases it whole, and
+    # its release's reuse scan reads every module's parameters recursively (``_to_release``)
+    leaf: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class _Coordinator:
     def __post_init__(self) -> None:
         self.trace = [u for kind, u, _, _ in self.events if kind == "fetch"]  # unit per step id; -1 = the root
         self.uses: list[list[int]] = [[] for _ in self.numel]  # trace entries reading each parameter
+        # the root's entry at the backward's start (the forward's is entry 0)
+        self.root_entry = next((sid for sid, u in enumerate(self.trace) if u < 0 and sid > 0), -1)
         self.cum = [0]  # elements of the trace before each entry (DeepSpeed's params_traversed)
         for sid, u in enumerate(self.trace):
             for p in self.params_of(u):
@@ -246,6 +251,14 @@ class _Coordinator:
         # the scan visits trace entries from sid on while the elements traversed before each stay
         # below max_reuse_distance: entries [sid, end); a parameter used there is kept
         end = bisect_left(self.cum, self.cum[sid] + self.max_reuse, lo=sid) if self.max_reuse > 0 else sid
+        if u >= 0 and self.units[u].leaf and self.root_entry >= sid and self.root_entry < end:
+            # a leaf's scan reads each module with ``iter_params(module, recurse=True)`` (the flag is the
+            # released module's, ``z3_leaf_module``): the root met at the backward's start then reads
+            # every parameter, so nothing of the leaf is released. Seen on transformers' Mixtral: the
+            # last layer's MoE block stays gathered from its forward to its backward
+            # (tests/test_gpu_transformers.py)
+            self.cache[key] = frozenset()
+            return self.cache[key]
         out = frozenset(p for p in self.params_of(u) if not self.persistent[p]
                         and self.recent.get(p, _NEVER) <= sid and not self._used_in(p, sid, end))
         self.cache[key] = out

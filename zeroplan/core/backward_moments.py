@@ -350,10 +350,22 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
     leaf = layout.leaf_elements_by_layer  # a ZeRO-3 leaf's gradients, all live at its backward hook
     for done, g in enumerate(gathered.layers):
         temp, grads_out = temp_at.get(done, (0, 0))
-        grads_out = max(grads_out, b_p * leaf.get(len(gathered.layers) - 1 - done, 0))
+        layer = len(gathered.layers) - 1 - done
+        flushed = " (bucket flush)" if done in temp_at else ""
+        if leaf.get(layer) and gathered.leaf_layers:
+            # a layer with a ZeRO-3 leaf (its MoE block, the layer's last module): no gradient of the layer
+            # exists before the leaf's hook, which is where its first flush runs; what is gathered there is
+            # less than at the leaf's fetch (core/stage3_live.py leaf_layers)
+            if b_p * g > top:
+                out.append(moment(f"backward of layer {layer}: its MoE leaf fetched", g, 0, "layer", done,
+                                  autograd=held_tied))
+                top = b_p * g
+            g, grads_out = gathered.leaf_layers[done], max(grads_out, b_p * leaf[layer])
+            flushed = ": its MoE leaf's gradient hook" + flushed
+        elif leaf.get(layer):
+            grads_out = max(grads_out, b_p * leaf[layer])
         if b_p * g + temp + grads_out > top:
-            flushed = " (bucket flush)" if done in temp_at else ""
-            out.append(moment(f"backward of layer {len(gathered.layers) - 1 - done}{flushed}", g, temp, "layer", done,
+            out.append(moment(f"backward of layer {layer}{flushed}", g, temp, "layer", done,
                               autograd=held_tied + grads_out))
             top = b_p * g + temp + grads_out
     if gathered.bottom > gathered.bottom_held:  # the embeddings re-gathered: a coalesced flat buffer copied out

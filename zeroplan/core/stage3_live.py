@@ -52,6 +52,10 @@ class BackwardGathered:
     forward_layers: tuple[int, ...] = ()
     forward_bottom: int = 0
     forward_head: int = 0
+    # per layer, as ``layers`` (top first): what is gathered when a ZeRO-3 leaf's gradient hook runs (0: no
+    # leaf). Autograd has freed the storage it held of that leaf's released forward copy by then, and the
+    # flat buffers its fetch emptied are gone (measured: tests/test_transformers_replays.py)
+    leaf_layers: tuple[int, ...] = ()
 
 
 class ReplayInputs(tuple):
@@ -120,6 +124,7 @@ def _gathered(inputs: ReplayInputs, max_live: int, prefetch_bucket: int, max_reu
     n_layers = 1 + max((u.layer for u in units if u.layer is not None), default=-1)
     fwd, bwd = _Regions(n_layers), _Regions(n_layers)
     forward_end = 0
+    leaf = [0] * n_layers
 
     def observe(kind: str, u: int, phase: str) -> None:
         nonlocal forward_end
@@ -128,6 +133,8 @@ def _gathered(inputs: ReplayInputs, max_live: int, prefetch_bucket: int, max_reu
         layer = units[u].layer if u >= 0 else None
         if phase == "backward":
             bwd.see(layer, now, held)
+            if kind == "fetch" and layer is not None and units[u].leaf and u in c.backward_units:
+                leaf[layer] = max(leaf[layer], held - c.retained.get(u, 0))
         else:
             forward_end = now  # the last forward event's
             fwd.see(layer, now, held)
@@ -138,7 +145,7 @@ def _gathered(inputs: ReplayInputs, max_live: int, prefetch_bucket: int, max_reu
     # the backward meets the layers top first: its "before" is the head, its "after" the embeddings
     return BackwardGathered(head=bwd.before, layers=tuple(reversed(bwd.layers)), bottom=bwd.after,
                             bottom_held=bwd.after_held, forward_end=forward_end, forward_layers=tuple(fwd.layers),
-                            forward_bottom=fwd.before, forward_head=fwd.after)
+                            forward_bottom=fwd.before, forward_head=fwd.after, leaf_layers=tuple(reversed(leaf)))
 
 
 class _Regions:

@@ -320,3 +320,34 @@ def test_the_bundled_stage3_engine_holds_what_deepspeed_held(name):
                         seq_len=inp["seq_len"], rank=inp["rank"], grad_accum=inp.get("grad_accum", 1))
     assert rep["peak_phase"] == "backward"
     assert abs(got["phase_peaks"]["backward"]["peak"] - rep["peak_bytes"]) <= (16 if inp["world"] == 8 else 40)
+
+
+def test_a_layers_start_level_is_its_saved_activations_without_its_transients():
+    """``layer_start`` (an MoE leaf's fetch and gradient hook, core/backward_moments.py): what the layers saved
+    when the layer's backward starts, each layer below ``per_layer`` less; without it, the layer's peak."""
+    from zeroplan.core.activation_terms import ActivationBreakdown
+    from zeroplan.core.backward_moments import activation_at
+
+    act = ActivationBreakdown(per_layer=100, layers=400, recompute=0, embeddings=50, logits=20, total=470,
+                              forward_peak=600, backward_peak=700, backward_layer_peak=650,
+                              backward_layer_start=480, formula="test")
+    assert activation_at(act, "layer_start", 0) == 480 and activation_at(act, "layer_start", 2) == 280
+    assert activation_at(act, "layer", 2) == 450
+    without = act.model_copy(update={"backward_layer_start": None})
+    assert activation_at(without, "layer_start", 2) == activation_at(without, "layer", 2) == 450
+
+
+def test_the_traced_start_level_is_given_without_checkpointing_only():
+    """With full checkpointing a leaf's backward fetch comes after its layer is recomputed: no start level."""
+    from zeroplan.core.activations import activation_memory
+    from zeroplan.specs.model import load_model
+    from zeroplan.specs.training import TrainingSetup, get_precision
+
+    spec = load_model("mixtral-8x7b")
+    for ckpt, has in (("none", True), ("full", False)):
+        tr = TrainingSetup(precision=get_precision("bf16"), micro_batch=1, seq_len=4096, checkpointing=ckpt)
+        act = activation_memory(spec, tr)
+        assert (act.backward_layer_start is not None) == has
+        if has:
+            # the logits and their gradient gone, the layer's transients not yet there
+            assert act.per_layer < act.backward_layer_start < min(act.total, act.backward_layer_peak)

@@ -82,6 +82,9 @@ class ActivationBreakdown(BaseModel):
     # (each layer back-propagated below it frees ``per_layer``). None: ``backward_peak`` for both.
     backward_head_peak: int | None = None
     backward_layer_peak: int | None = None
+    # live when the top layer's backward starts, before its own transients (without checkpointing: what the
+    # layers saved, less the logits and their gradient). None: ``backward_layer_peak``
+    backward_layer_start: int | None = None
     # the forward's two traced regions (stage 3's forward moments, core/memory.py): the last layer's forward
     # at its most (each layer below holds ``per_layer`` less), and the loss. None: ``forward_peak`` for both
     forward_layer_peak: int | None = None

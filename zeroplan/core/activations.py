@@ -150,6 +150,8 @@ def _traced(spec: ModelSpec, training: TrainingSetup, attention: str) -> Activat
         embeddings=m["head"] - logits, logits=logits, total=total, forward_peak=max(fwd, total),
         backward_peak=max(bwd, total), source=src, backward_head_peak=total + max(m["head_extra"], 0),
         backward_layer_peak=total + m["layer_start_delta"] + m["layer_extra"],
+        # with full checkpointing a layer's first backward module comes after the layer is recomputed: no level
+        backward_layer_start=total + m["layer_start_delta"] if ckpt == "none" else None,
         forward_layer_peak=total + m["fwd_layer_start_delta"] + m["fwd_layer_extra"],
         forward_loss_peak=total + max(m["loss_extra"], 0),
         formula=f"{src}, checkpointing {training.checkpointing}: per layer, head, and the forward/backward "

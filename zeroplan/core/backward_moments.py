@@ -87,6 +87,8 @@ def activation_at(act: Any, kind: str, layers_done: int) -> int:
     if kind == "head":
         return act.backward_peak if act.backward_head_peak is None else act.backward_head_peak
     top = act.backward_peak if act.backward_layer_peak is None else act.backward_layer_peak
+    if kind == "layer_start" and act.backward_layer_start is not None:
+        top = act.backward_layer_start
     return max(0, top - layers_done * act.per_layer)
 
 
@@ -352,20 +354,22 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
         temp, grads_out = temp_at.get(done, (0, 0))
         layer = len(gathered.layers) - 1 - done
         flushed = " (bucket flush)" if done in temp_at else ""
+        kind = "layer"
         if leaf.get(layer) and gathered.leaf_layers:
             # a layer with a ZeRO-3 leaf (its MoE block, the layer's last module): no gradient of the layer
             # exists before the leaf's hook, which is where its first flush runs; what is gathered there is
             # less than at the leaf's fetch (core/stage3_live.py leaf_layers)
             if b_p * g > top:
-                out.append(moment(f"backward of layer {layer}: its MoE leaf fetched", g, 0, "layer", done,
+                out.append(moment(f"backward of layer {layer}: its MoE leaf fetched", g, 0, "layer_start", done,
                                   autograd=held_tied))
                 top = b_p * g
             g, grads_out = gathered.leaf_layers[done], max(grads_out, b_p * leaf[layer])
             flushed = ": its MoE leaf's gradient hook" + flushed
+            kind = "layer_start"
         elif leaf.get(layer):
             grads_out = max(grads_out, b_p * leaf[layer])
         if b_p * g + temp + grads_out > top:
-            out.append(moment(f"backward of layer {layer}{flushed}", g, temp, "layer", done,
+            out.append(moment(f"backward of layer {layer}{flushed}", g, temp, kind, done,
                               autograd=held_tied + grads_out))
             top = b_p * g + temp + grads_out
     if gathered.bottom > gathered.bottom_held:  # the embeddings re-gathered: a coalesced flat buffer copied out

@@ -58,7 +58,7 @@ class BackwardMoment(BaseModel):
     buffers: int  # DeepSpeed (and cuBLAS) buffers live then
     held_buffers: int  # of which allocated at their own size (no split slack: core/allocator.py)
     gradients: int  # gradient bytes live then (beyond those live through the forward)
-    activations: str  # "head", "layer", "peak" or "none" (activation_at)
+    activations: str  # "head", "layer", "layer_start", "peak" or "none" (activation_at)
     layers_done: int = 0  # layers already back-propagated below the top ("layer")
     # bytes on each side stream's pool then (stage 3: "allgather", "reduce_scatter"); None: the phase's
     side: dict[str, int] | None = None
@@ -72,7 +72,10 @@ def activation_at(act: Any, kind: str, layers_done: int) -> int:
     forward moments (core/memory.py ``forward_moments``): ``fwd_layer``, the forward of the layer with
     ``layers_done`` layers above it (the top layer's forward peak, a layer's kept activations less per layer
     above; the embeddings' forward counts every layer as above it), ``fwd_head`` (lm_head's fetch: all but the
-    logits) and ``fwd_loss`` (the loss). Without those traced regions, the forward's peak."""
+    logits) and ``fwd_loss`` (the loss). Without those traced regions, the forward's peak. The backward's:
+    ``head``, ``layer`` (the layer's backward at its most), ``layer_start`` (what the layers saved when the
+    layer's backward starts, before its transients; where the trace gives no such level, ``layer``),
+    ``peak`` and ``none``."""
     if kind.startswith("fwd_"):
         if kind == "fwd_head":
             return act.total - act.logits

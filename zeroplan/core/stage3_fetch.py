@@ -256,7 +256,7 @@ class _Coordinator:
             # released module's, ``z3_leaf_module``): the root met at the backward's start then reads
             # every parameter, so nothing of the leaf is released. Seen on transformers' Mixtral: the
             # last layer's MoE block stays gathered from its forward to its backward
-            # (tests/test_gpu_transformers.py)
+            # (tests/test_transformers_replays.py test_a_leaf_release_scan_reads_the_root_whole)
             self.cache[key] = frozenset()
             return self.cache[key]
         out = frozenset(p for p in self.params_of(u) if not self.persistent[p]

@@ -127,3 +127,22 @@ def test_stage3_hooks_cost_the_gpu_nodes_host_time_in_the_forward():
     rep = json.loads((RUN / "full-llama-3-8b-stage3-ckptfull.json").read_text())
     per_fetch = (rep["time_s"]["forward"] - z2) / 21
     assert per_fetch == pytest.approx(STAGE3_FETCH_HOST_S["forward"], rel=0.12)
+
+
+def test_the_gpu_script_runs_where_there_is_no_gpu(tmp_path):
+    """``hf_deepspeed.py --device cpu`` runs the same path (real DeepSpeed, transformers' model, the fake group)
+    without the allocator's figures: what run.sh's loop calls can be tried before a GPU is lent."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed")
+    out = tmp_path / "r.json"
+    script = RUN.parent / "hf_deepspeed.py"
+    subprocess.run([sys.executable, str(script), "mixtral-8x7b", "3", "1", "16", str(out), "--hidden", "64",
+                    "--device", "cpu", "--steps", "2"], check=True, capture_output=True, timeout=300)
+    rep = json.loads(out.read_text())
+    assert rep["environment"]["device"] == "cpu" and rep["inputs"]["hidden"] == 64 and rep["inputs"]["world"] == 8
+    assert set(rep["time_s"]) == {"forward", "backward", "step"} and all(v > 0 for v in rep["time_s"].values())
+    assert rep["peaks"] == {"forward": {}, "backward": {}, "step": {}} and rep["states_allocated"] is None

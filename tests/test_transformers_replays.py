@@ -87,17 +87,19 @@ def test_coalesced_prefetch_buffers_outlive_their_first_wait():
 FAMILIES = {
     ("llama-3-8b", 3): 0.0, ("qwen2-7b", 3): 0.0, ("gemma-7b", 3): 0.0, ("phi-2", 3): 0.0, ("phi-3-mini", 3): 0.0,
     ("gpt-neox-20b", 3): 0.0, ("mistral-7b", 3): 0.0,
-    # GPT-2 passes dropout to SDPA and Falcon a mask: torch's CPU SDPA then runs its math kernel, which keeps the
-    # fp32 attention probabilities (six 12.6 MB and two 67.1 MB tensors at these peaks) that a GPU's fused kernels
-    # do not; the plan assumes the fused kernels. Less those tensors the plan is 0.04% below GPT-2's peak and 3.8%
-    # above Falcon's (test_cpu_attention_probabilities_explain_gpt2_and_falcon)
-    ("gpt2", 3): -0.046, ("falcon-7b", 3): -0.0347,
+    # GPT-2 passes dropout to SDPA: torch's CPU SDPA then runs its math kernel, which keeps the fp32 attention
+    # probabilities (six 12.6 MB tensors at this peak) that a GPU's fused kernels do not; the plan assumes the
+    # fused kernels. Less those tensors the plan is 0.04% below GPT-2's peak
+    # (test_cpu_attention_probabilities_explain_gpt2). Falcon passes one key/value head beside all query heads:
+    # SDPA takes its math kernel on CUDA too (measured on an H200), and the plan keeps its probabilities
+    ("gpt2", 3): -0.046, ("falcon-7b", 3): 0.0,
     # ZeRO-2 peaks at the epilogue's flush, the only one here (the whole 2-layer model fits one bucket), before
     # copy_grads_in_partition allocates the gradient partition (+1.5% to +3.0% while the plan stacked them)
     ("llama-3-8b", 2): 0.0, ("qwen2-7b", 2): 0.0, ("gemma-7b", 2): 0.0, ("phi-2", 2): 0.0, ("phi-3-mini", 2): 0.0,
     ("gpt-neox-20b", 2): 0.0, ("mistral-7b", 2): 0.0,
-    # planned with the fused attention kernels against CPU SDPA's math kernel (above); GPT-2 planned eager is exact
-    ("gpt2", 2): 0.0922, ("falcon-7b", 2): 0.0435,
+    # GPT-2 planned with the fused attention kernels against CPU SDPA's math kernel (above; planned eager it is
+    # exact); Falcon's backward transient at its top layer is 22 MB above the trace's (planned with its scores)
+    ("gpt2", 2): 0.0922, ("falcon-7b", 2): -0.0128,
 }
 
 
@@ -109,11 +111,13 @@ def test_transformers_families(model, stage):
     assert abs(error - FAMILIES[model, stage]) < 0.001, error
 
 
-def test_cpu_attention_probabilities_explain_gpt2_and_falcon():
+def test_cpu_attention_probabilities_explain_gpt2():
     """The fp32 attention probabilities CPU SDPA's math kernel keeps, one (batch, heads, seq, seq) tensor per use,
-    found at DeepSpeed's peak; without them the plan (which assumes a GPU's fused kernels) is not below it."""
+    found at DeepSpeed's peak; without them the plan (which assumes a GPU's fused kernels) is not below it.
+    Falcon's two are in its plan: on CUDA too its SDPA call takes the math kernel (core/activations.py
+    ``_math_sdpa_on_cuda``), and the plan meets its peak with them."""
     for model, probs, count, lo, hi in (("gpt2", 12 * 512 * 512 * 4, 6, -0.0005, 0.0),
-                                        ("falcon-7b", 64 * 512 * 512 * 4, 2, 0.037, 0.039)):
+                                        ("falcon-7b", 64 * 512 * 512 * 4, 2, 0.07, 0.08)):
         rep = json.loads((REPLAY / f"peak-live-hf-{model}-h1024-stage3-b1-s512.json").read_text())
         kept = [e["bytes"] for e in rep["live_over_1_MiB"] if e["bytes"] == probs and e["allocated_in"] == "forward"]
         assert len(kept) == count

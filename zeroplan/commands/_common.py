@@ -107,7 +107,7 @@ Checkpointing = Annotated[Optional[str], typer.Option(
     help="Activation checkpointing the training script uses (not a DeepSpeed switch).")]
 FlashAttention = Annotated[Optional[bool], typer.Option(
     "--flash-attention/--no-flash-attention", show_default="the config's zeroplan.flash_attention, else on",
-    help="Flash attention (no s² attention-score activations).")]
+    help="Flash attention: transformers' SDPA on its fused kernels, which keep no s² attention scores (Falcon-7B's one key/value head sends SDPA to its math kernel, which keeps them). --no-flash-attention: eager attention.")]
 OffloadOptimizer = Annotated[Optional[str], typer.Option(
     "--offload-optimizer", metavar="none|cpu|nvme", show_default="from --ds-config, else none",
     help="Offload optimizer states (stages 1–3).")]

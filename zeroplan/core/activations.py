@@ -116,6 +116,17 @@ def _eval(coef: dict[str, float], feats: dict[str, int], seq_len: int) -> int:
     return int(round(total))
 
 
+def _math_sdpa_on_cuda(spec: ModelSpec) -> bool:
+    """Whether transformers' attention of ``spec`` makes SDPA take its math kernel on CUDA too, keeping the fp32
+    probabilities the CPU trace kept: Falcon's multi-query layout passes one key/value head beside all the
+    query heads, without ``enable_gqa`` (modeling_falcon.py ``FalconAttention.forward``), and CUDA's fused
+    kernels need equal head counts (torch ``sdp_utils`` ``check_batch_size_and_num_heads_dense``). Measured on
+    an H200: tests/test_gpu_transformers.py."""
+    cfg = spec.hf_config or {}
+    return (spec.model_type == "falcon" and not cfg.get("new_decoder_architecture", False)
+            and spec.num_key_value_heads < spec.num_attention_heads)
+
+
 def _traced(spec: ModelSpec, training: TrainingSetup, attention: str) -> ActivationBreakdown | None:
     """From the shipped transformers trace, or None where it does not apply (see module doc)."""
     data = traced_data()
@@ -130,7 +141,8 @@ def _traced(spec: ModelSpec, training: TrainingSetup, attention: str) -> Activat
     var = fam["variants"].get(f"{impl}/{ckpt}" + ("/fp32" if act_bytes == 4 else ""))
     if var is None:
         return None  # no exact linear form for this variant (the data's "unfitted" says why)
-    if impl == "sdpa" and any(c.get("as") for c in var.values()):
+    scores = impl == "sdpa" and any(c.get("as") for c in var.values())
+    if scores and not (attention == "sdpa" and _math_sdpa_on_cuda(spec)):
         # the CPU trace took SDPA's math kernel (scores kept: gpt2's attention dropout, falcon's
         # explicit mask); CUDA's fused kernels keep no scores, so this trace is not the GPU's
         return None
@@ -144,7 +156,9 @@ def _traced(spec: ModelSpec, training: TrainingSetup, attention: str) -> Activat
     fwd = total + max(m["loss_extra"], m["fwd_layer_start_delta"] + m["fwd_layer_extra"])
     bwd = total + max(m["head_extra"], m["layer_start_delta"] + m["layer_extra"])
     src = f"transformers {data['transformers_version']} trace: {spec.model_type}, {impl} attention" + (
-        ", fp32" if act_bytes == 4 else "")
+        ", fp32" if act_bytes == 4 else "") + (
+        " (SDPA's math kernel on CUDA too: one key/value head beside all query heads, so the fp32 attention "
+        "probabilities are kept; flash_attention_2 keeps none)" if scores else "")
     return ActivationBreakdown(
         per_layer=m["layer"], layers=L * m["layer"], recompute=m["layer_extra"] if ckpt == "full" else 0,
         embeddings=m["head"] - logits, logits=logits, total=total, forward_peak=max(fwd, total),

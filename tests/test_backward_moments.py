@@ -337,17 +337,17 @@ def test_a_layers_start_level_is_its_saved_activations_without_its_transients():
     assert activation_at(without, "layer_start", 2) == activation_at(without, "layer", 2) == 450
 
 
-def test_the_traced_start_level_is_given_without_checkpointing_only():
-    """With full checkpointing a leaf's backward fetch comes after its layer is recomputed: no start level."""
+def test_a_layers_start_level_with_and_without_checkpointing():
+    """Without checkpointing: the trace's level when the layer's backward starts (the logits and their gradient
+    gone, the layer's transients not yet there). With full checkpointing a layer's backward starts once it is
+    recomputed: the checkpoints less the logits, and what the layer saves without checkpointing."""
     from zeroplan.core.activations import activation_memory
     from zeroplan.specs.model import load_model
     from zeroplan.specs.training import TrainingSetup, get_precision
 
     spec = load_model("mixtral-8x7b")
-    for ckpt, has in (("none", True), ("full", False)):
-        tr = TrainingSetup(precision=get_precision("bf16"), micro_batch=1, seq_len=4096, checkpointing=ckpt)
-        act = activation_memory(spec, tr)
-        assert (act.backward_layer_start is not None) == has
-        if has:
-            # the logits and their gradient gone, the layer's transients not yet there
-            assert act.per_layer < act.backward_layer_start < min(act.total, act.backward_layer_peak)
+    plain = activation_memory(spec, TrainingSetup(precision=get_precision("bf16"), micro_batch=1, seq_len=4096))
+    assert plain.per_layer < plain.backward_layer_start < min(plain.total, plain.backward_layer_peak)
+    full = activation_memory(spec, TrainingSetup(precision=get_precision("bf16"), micro_batch=1, seq_len=4096,
+                                                 checkpointing="full"))
+    assert full.backward_layer_start == full.total - full.logits + plain.per_layer

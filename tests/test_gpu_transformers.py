@@ -10,12 +10,12 @@ Each bound below is what the plan reaches now, stated so that a change of the mo
 - Falcon's ZeRO-3 was 3.7% above the plan (13.5% in the forward): its SDPA call passes one key/value head
   beside all query heads, so CUDA takes the math kernel too and keeps the fp32 probabilities. Planned with
   them, +0.2% (forward +0.2%);
-- Mixtral at full width, ZeRO-3: the backward is planned 6% (no checkpointing) and 15% (full) high. It was
+- Mixtral at full width, ZeRO-3: the backward is planned 6% (no checkpointing) and 8% (full) high. It was
   19% and 26% high: the plan stacked, at the MoE leaf's gradient hook, the leaf re-gathered beside the
   forward copy autograd held and a prefetch's flat buffer, all freed by then (a CPU twin reproduced it:
   tests/test_transformers_replays.py), and the layer's backward transients, which the block's backward has
-  freed too. With checkpointing the recomputed layer's whole activation peak still stacks on the hook.
-  The plan errs on the safe side there, never below;
+  freed too. The hook's activations are now what the layers saved when the layer's backward starts, an
+  upper bound. The plan errs on the safe side there, never below;
 - peak reserved: -19% to +28% (the caching allocator's segments; the published ZeRO-3 runs' note).
 Times are the fake group's: compute, DeepSpeed's copies and its Python, no communication."""
 
@@ -47,10 +47,10 @@ ALLOCATED = {
     "h1024-gpt2-stage2.json": (-0.085, -0.075),  # GPT-2's traces are eager-only: a whole-backward fallback
     # a fetch pops its parameters in set order: two coalesced flat buffers live together or not (CPU: 3 orders)
     "h1024-mixtral-8x7b-stage3.json": (-0.03, -0.02), "h1024-mixtral-8x7b-stage3-ckpt.json": (-0.07, -0.06),
-    # with checkpointing, the recomputed layer's whole activation peak stacked on the leaf's hook (were -26.1%
-    # and -18.6% while the hook's moment also held autograd's forward copy and a flat buffer, and the layer's
-    # backward transients: core/backward_moments.py)
-    "full-mixtral-8x7b-stage3-ckptfull.json": (-0.16, -0.15), "full-mixtral-8x7b-stage3-ckptnone.json": (-0.07, -0.055),
+    # the layers' saved activations at the leaf's hook, an upper bound (were -26.1% and -18.6% while the hook's
+    # moment also held autograd's forward copy, a flat buffer and the layer's backward transients:
+    # core/backward_moments.py)
+    "full-mixtral-8x7b-stage3-ckptfull.json": (-0.09, -0.075), "full-mixtral-8x7b-stage3-ckptnone.json": (-0.07, -0.055),
 }
 RESERVED_BOUND = 0.30  # the worst: full-width Mixtral without checkpointing, +28% (2.6 GiB blocks cached)
 

@@ -164,7 +164,7 @@ def _traced(spec: ModelSpec, training: TrainingSetup, attention: str) -> Activat
         embeddings=m["head"] - logits, logits=logits, total=total, forward_peak=max(fwd, total),
         backward_peak=max(bwd, total), source=src, backward_head_peak=total + max(m["head_extra"], 0),
         backward_layer_peak=total + m["layer_start_delta"] + m["layer_extra"],
-        # with full checkpointing a layer's first backward module comes after the layer is recomputed: no level
+        # with full checkpointing a layer's first backward module comes after it is recomputed (activation_memory)
         backward_layer_start=total + m["layer_start_delta"] if ckpt == "none" else None,
         forward_layer_peak=total + m["fwd_layer_start_delta"] + m["fwd_layer_extra"],
         forward_loss_peak=total + max(m["loss_extra"], 0),
@@ -189,11 +189,16 @@ def activation_memory(
         attention = "sdpa" if training.flash_attention else "eager"
     if flavour != "paper" and training.activation_impl == "megatron":
         return megatron_activations(spec, training)
-    if flavour != "paper":
-        traced = _traced(spec, training, attention)
-        if traced is not None:
-            return traced
-    return _paper(spec, training, flash_attention=attention != "eager")
+    out = _traced(spec, training, attention) if flavour != "paper" else None
+    if out is None:
+        out = _paper(spec, training, flash_attention=attention != "eager")
+    if training.checkpointing == "full" and out.backward_layer_start is None:
+        # a layer's first backward module runs once the layer is recomputed: the checkpoints (less the logits,
+        # gone with the head's backward) and what the layer saves without checkpointing
+        plain = activation_memory(spec, training.model_copy(update={"checkpointing": "none"}), flavour=flavour,
+                                  attention=attention)
+        out = out.model_copy(update={"backward_layer_start": out.total - out.logits + plain.per_layer})
+    return out
 
 
 def _paper(spec: ModelSpec, training: TrainingSetup, *, flash_attention: bool) -> ActivationBreakdown:

@@ -358,7 +358,7 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
         layer = len(gathered.layers) - 1 - done
         flushed = " (bucket flush)" if done in temp_at else ""
         kind = "layer"
-        if leaf.get(layer) and gathered.leaf_layers:
+        if leaf.get(layer):
             # a layer with a ZeRO-3 leaf (its MoE block, the layer's last module): no gradient of the layer
             # exists before the leaf's hook, which is where its first flush runs; what is gathered there is
             # less than at the leaf's fetch (core/stage3_live.py leaf_layers)
@@ -369,8 +369,6 @@ def _stage3(pb: Any, layout: Layout, hg: HeadGradients, *, b_c: int, b_p: int, b
             g, grads_out = gathered.leaf_layers[done], max(grads_out, b_p * leaf[layer])
             flushed = ": its MoE leaf's gradient hook" + flushed
             kind = "layer_start"
-        elif leaf.get(layer):
-            grads_out = max(grads_out, b_p * leaf[layer])
         if b_p * g + temp + grads_out > top:
             out.append(moment(f"backward of layer {layer}{flushed}", g, temp, kind, done,
                               autograd=held_tied + grads_out))

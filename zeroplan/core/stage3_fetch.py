@@ -251,7 +251,7 @@ class _Coordinator:
         # the scan visits trace entries from sid on while the elements traversed before each stay
         # below max_reuse_distance: entries [sid, end); a parameter used there is kept
         end = bisect_left(self.cum, self.cum[sid] + self.max_reuse, lo=sid) if self.max_reuse > 0 else sid
-        if u >= 0 and self.units[u].leaf and self.root_entry >= sid and self.root_entry < end:
+        if u >= 0 and self.units[u].leaf and sid <= self.root_entry < end:
             # a leaf's scan reads each module with ``iter_params(module, recurse=True)`` (the flag is the
             # released module's, ``z3_leaf_module``): the root met at the backward's start then reads
             # every parameter, so nothing of the leaf is released. Seen on transformers' Mixtral: the
